@@ -1,0 +1,38 @@
+# `make serve` and `make test` work on a fresh machine with only Python 3.11+:
+# both create .venv and install the project first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: serve test lint typecheck pytest bench clean
+
+$(STAMP): pyproject.toml Makefile
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "sluiceway needs Python 3.11 or newer")'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/sluiceway serve $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check sluiceway tests bench
+	$(BIN)/ruff format --check sluiceway tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# pytest's exit code 5 (nothing collected) fails this target like any other.
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(BIN)/python bench/run.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

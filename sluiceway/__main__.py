@@ -1,0 +1,3 @@
+from sluiceway.server.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Thin async shells, one per module, that pass typed messages over channels."""

@@ -1,0 +1,1 @@
+"""Emitters: one per API surface, turning output events into wire bytes."""

@@ -1,0 +1,242 @@
+"""The chat emitter: output events to ``chat.completion.chunk`` SSE frames, or
+to one ``chat.completion`` body. Both shapes come from the same deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from sluiceway.actors.emitters.common import DONE, entries_wire, error_frame, sse, usage_wire
+from sluiceway.protocol.chat import (
+    AssistantMessageWire,
+    ChatChoiceWire,
+    ChatChunk,
+    ChatCompletion,
+    ChoiceLogprobsWire,
+    ChunkChoiceWire,
+    DeltaWire,
+    FunctionWire,
+    ToolCallDeltaWire,
+    ToolCallMessageWire,
+)
+from sluiceway.protocol.messages import (
+    ChoiceDelta,
+    ChoiceLogprobs,
+    Completed,
+    Deltas,
+    EmitterEvent,
+    Failed,
+    LogprobEntry,
+    PromptLogprobs,
+    Usage,
+)
+from sluiceway.protocol.wire import UsageWire
+
+ReasoningField = Literal["reasoning_content", "reasoning", "both"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatReplyConfig:
+    completion_id: str
+    created: int
+    model: str
+    n: int
+    logprobs: bool
+    include_usage: bool = False
+    reasoning_field: ReasoningField = "reasoning_content"
+
+
+def _reasoning_fields(text: str | None, field_name: ReasoningField) -> dict[str, str | None]:
+    if field_name == "both":
+        return {"reasoning_content": text, "reasoning": text}
+    return {field_name: text}
+
+
+def _logprobs_wire(logprobs: ChoiceLogprobs) -> ChoiceLogprobsWire:
+    wire = ChoiceLogprobsWire(content=entries_wire(logprobs.content), refusal=None)
+    if logprobs.reasoning:
+        wire.reasoning_content = entries_wire(logprobs.reasoning)
+    if logprobs.tool_calls:
+        wire.tool_calls = entries_wire(logprobs.tool_calls)
+    return wire
+
+
+def _delta_wire(delta: ChoiceDelta, reasoning_field: ReasoningField) -> DeltaWire:
+    fields: dict[str, object] = {}
+    if delta.reasoning:
+        fields |= _reasoning_fields(delta.reasoning, reasoning_field)
+    if delta.content:
+        fields["content"] = delta.content
+    if delta.tool_calls:
+        fields["tool_calls"] = [
+            ToolCallDeltaWire(
+                index=call.index,
+                id=call.id,
+                type="function",
+                function=FunctionWire(name=call.name, arguments=call.arguments),
+            )
+            if call.name is not None
+            else ToolCallDeltaWire(index=call.index, function=FunctionWire(arguments=call.arguments))
+            for call in delta.tool_calls
+        ]
+    return DeltaWire(**fields)  # type: ignore[arg-type]
+
+
+class ChatStreamEncoder:
+    """Events of one request -> ``chat.completion.chunk`` SSE frames."""
+
+    def __init__(self, config: ChatReplyConfig) -> None:
+        self._config = config
+        self._completion_tokens = [0] * config.n
+        self._prompt_tokens = 0
+
+    def _chunk(self, choices: list[ChunkChoiceWire], usage: UsageWire | None = None) -> bytes:
+        chunk = ChatChunk(
+            id=self._config.completion_id,
+            created=self._config.created,
+            model=self._config.model,
+            choices=choices,
+        )
+        if self._config.include_usage:
+            chunk.usage = usage
+        return sse(chunk.to_json())
+
+    def start(self) -> bytes:
+        return b"".join(
+            self._chunk(
+                [
+                    ChunkChoiceWire(
+                        index=index,
+                        delta=DeltaWire(role="assistant", content="", refusal=None),
+                        logprobs=None,
+                        finish_reason=None,
+                    )
+                ]
+            )
+            for index in range(self._config.n)
+        )
+
+    def encode(self, event: EmitterEvent) -> bytes:
+        if isinstance(event, Deltas):
+            return b"".join(self._delta_frame(delta) for delta in event.deltas)
+        if isinstance(event, Completed):
+            tail = b""
+            if self._config.include_usage:
+                tail = self._chunk([], usage_wire(event.usage))
+            return tail + DONE
+        if isinstance(event, Failed):
+            return error_frame(event.message) + DONE
+        return b""  # prompt logprobs have no place in a chat stream
+
+    def _delta_frame(self, delta: ChoiceDelta) -> bytes:
+        choice = ChunkChoiceWire(
+            index=delta.index,
+            delta=_delta_wire(delta, self._config.reasoning_field),
+            logprobs=_logprobs_wire(delta.logprobs) if delta.logprobs is not None else None,
+            finish_reason=delta.finish_reason,
+        )
+        if delta.finish_reason is not None:
+            choice.matched_stop = delta.matched_stop
+        return self._chunk([choice])
+
+
+@dataclass(slots=True)
+class _ToolCall:
+    id: str = ""
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _ChoiceTotals:
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: dict[int, _ToolCall] = field(default_factory=dict)
+    content_entries: list[LogprobEntry] = field(default_factory=list)
+    reasoning_entries: list[LogprobEntry] = field(default_factory=list)
+    tool_entries: list[LogprobEntry] = field(default_factory=list)
+    finish_reason: str = "stop"
+    matched_stop: str | int | None = None
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.content.append(delta.content)
+        self.reasoning.append(delta.reasoning)
+        for fragment in delta.tool_calls:
+            call = self.tool_calls.setdefault(fragment.index, _ToolCall())
+            if fragment.name is not None:
+                call.name, call.id = fragment.name, fragment.id or ""
+            call.arguments.append(fragment.arguments)
+        if delta.logprobs is not None:
+            self.content_entries += delta.logprobs.content
+            self.reasoning_entries += delta.logprobs.reasoning
+            self.tool_entries += delta.logprobs.tool_calls
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.matched_stop = delta.matched_stop
+
+
+class ChatAccumulator:
+    """Events of one request -> one ``chat.completion`` (non-streaming)."""
+
+    def __init__(self, config: ChatReplyConfig) -> None:
+        self._config = config
+        self._choices = [_ChoiceTotals() for _ in range(config.n)]
+        self.usage: Usage | None = None
+        self.failure: str | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None
+
+    def add(self, event: EmitterEvent) -> None:
+        if isinstance(event, Deltas):
+            for delta in event.deltas:
+                self._choices[delta.index].add(delta)
+        elif isinstance(event, Completed):
+            self.usage = event.usage
+        elif isinstance(event, Failed):
+            self.failure = event.message
+        elif isinstance(event, PromptLogprobs):
+            self.prompt_logprobs = event
+
+    def build(self) -> ChatCompletion:
+        assert self.usage is not None, "build() before the request completed"
+        return ChatCompletion(
+            id=self._config.completion_id,
+            created=self._config.created,
+            model=self._config.model,
+            choices=[self._choice(i, totals) for i, totals in enumerate(self._choices)],
+            usage=usage_wire(self.usage),
+        )
+
+    def _choice(self, index: int, totals: _ChoiceTotals) -> ChatChoiceWire:
+        calls = [
+            ToolCallMessageWire(
+                id=call.id, function=FunctionWire(name=call.name, arguments="".join(call.arguments))
+            )
+            for _, call in sorted(totals.tool_calls.items())
+        ]
+        text = "".join(totals.content)
+        message = AssistantMessageWire(
+            content=text if text or not calls else None,
+            refusal=None,
+        )
+        reasoning = "".join(totals.reasoning)
+        if reasoning:
+            for key, value in _reasoning_fields(reasoning, self._config.reasoning_field).items():
+                setattr(message, key, value)
+        if calls:
+            message.tool_calls = calls
+        logprobs = None
+        if self._config.logprobs:
+            logprobs = _logprobs_wire(
+                ChoiceLogprobs(
+                    content=tuple(totals.content_entries),
+                    reasoning=tuple(totals.reasoning_entries),
+                    tool_calls=tuple(totals.tool_entries),
+                )
+            )
+        return ChatChoiceWire(
+            index=index,
+            message=message,
+            logprobs=logprobs,
+            finish_reason=totals.finish_reason,
+            matched_stop=totals.matched_stop,
+        )

@@ -1,0 +1,84 @@
+"""What every emitter shares: SSE framing, logprob and usage conversion, and
+the thin actor loop that drives an encoder."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from sluiceway.protocol.messages import EmitterEvent, LogprobEntry, Usage
+from sluiceway.protocol.wire import (
+    CompletionTokensDetails,
+    ErrorBody,
+    ErrorDetail,
+    PromptTokensDetails,
+    TokenLogprobWire,
+    TopLogprobWire,
+    UsageWire,
+)
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: str) -> bytes:
+    return b"data: " + payload.encode("utf-8") + b"\n\n"
+
+
+def usage_wire(usage: Usage) -> UsageWire:
+    return UsageWire(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=0),
+        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens),
+    )
+
+
+def entry_wire(entry: LogprobEntry) -> TokenLogprobWire:
+    wire = TokenLogprobWire(
+        token=entry.token,
+        logprob=entry.logprob,
+        bytes=list(entry.bytes),
+        top_logprobs=[
+            TopLogprobWire(token=top.token, logprob=top.logprob, bytes=list(top.bytes))
+            for top in entry.top_logprobs
+        ],
+    )
+    if entry.requested:
+        wire.token_id_logprobs = {str(t): v for t, v in entry.requested}
+    return wire
+
+
+def entries_wire(entries: Iterable[LogprobEntry]) -> list[TokenLogprobWire]:
+    return [entry_wire(entry) for entry in entries]
+
+
+def error_frame(message: str) -> bytes:
+    body = ErrorBody(
+        error=ErrorDetail(message=message, type="server_error", param=None, code=None)
+    )
+    return sse(body.to_json())
+
+
+class StreamEncoder(Protocol):
+    """A sans-IO encoder of one request's events into SSE frames."""
+
+    def start(self) -> bytes: ...
+
+    def encode(self, event: EmitterEvent) -> bytes: ...
+
+
+async def stream(
+    receive: ObjectReceiveStream[EmitterEvent],
+    send: ObjectSendStream[bytes],
+    encoder: StreamEncoder,
+) -> None:
+    """The emitter actor: frames each event as it arrives."""
+    async with receive, send:
+        await send.send(encoder.start())
+        async for event in receive:
+            frame = encoder.encode(event)
+            if frame:
+                await send.send(frame)

@@ -1,0 +1,233 @@
+"""The per-request output actor: token ids in, text deltas with entries out.
+
+For each choice it runs the sans-IO text path (detokenizer -> reasoning ->
+stop -> tool calls -> chunk assembler) and turns the assembler's chunks into
+:class:`ChoiceDelta` messages, attaching the logprob entry of each token to
+the chunk the assembler chose for it. When a stop string ends a choice, it
+tells the scheduler so the row leaves the batch; tokens the scheduler produced
+for that choice in the meantime are not counted.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from sluiceway.parsers.assembler import Chunk
+from sluiceway.parsers.detokenizer import TokenTable
+from sluiceway.parsers.events import Channel
+from sluiceway.parsers.pipeline import ChoicePipeline
+from sluiceway.protocol.messages import (
+    ChoiceDelta,
+    ChoiceLogprobs,
+    Completed,
+    Deltas,
+    EmitterEvent,
+    Failed,
+    FinishCause,
+    LogprobEntry,
+    PromptLogprobs,
+    PromptScores,
+    RequestFailed,
+    RequestOutput,
+    StepOutput,
+    TokenLogprob,
+    TokenSample,
+    ToolCallDelta,
+    TopLogprob,
+    Usage,
+)
+
+
+class ChoiceFinisher(Protocol):
+    def finish_choice(self, request_id: str, choice: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutputConfig:
+    request_id: str
+    n: int
+    prompt_ids: tuple[int, ...]
+    table: TokenTable
+    make_pipeline: Callable[[], ChoicePipeline]
+    logprobs: bool
+    tokens_as_ids: bool = False
+    #: Keep the text of a stop token id in the output.
+    include_stop_token_text: bool = False
+
+
+class EntryFactory:
+    """Turns id-level logprobs into client entries with text and exact bytes."""
+
+    def __init__(self, table: TokenTable, tokens_as_ids: bool) -> None:
+        self._table = table
+        self._tokens_as_ids = tokens_as_ids
+
+    def token(self, token_id: int) -> str:
+        if self._tokens_as_ids:
+            return f"token_id:{token_id}"
+        return self._table.display(token_id)
+
+    def entry(self, token_id: int, logprob: TokenLogprob) -> LogprobEntry:
+        return LogprobEntry(
+            token=self.token(token_id),
+            token_id=token_id,
+            logprob=logprob.logprob,
+            bytes=tuple(self._table.bytes_of(token_id)),
+            top_logprobs=tuple(
+                TopLogprob(token=self.token(t), logprob=v, bytes=tuple(self._table.bytes_of(t)))
+                for t, v in logprob.top
+            ),
+            requested=logprob.requested,
+        )
+
+
+@dataclass(slots=True)
+class ChoiceOutput:
+    """One choice's text path and the entries waiting for their chunk."""
+
+    index: int
+    pipeline: ChoicePipeline
+    entries: EntryFactory
+    with_logprobs: bool
+    include_stop_token_text: bool
+    finished: bool = False
+    called_tools: bool = False
+    waiting: dict[int, LogprobEntry] = field(default_factory=dict)
+
+    def take(self, sample: TokenSample) -> tuple[list[ChoiceDelta], bool]:
+        """Feed one token; returns its deltas and whether a stop string ended the choice."""
+        if self.finished:
+            return [], False  # generated after a stop string ended the choice
+        position = self.pipeline.tokens_fed
+        if self.with_logprobs and sample.logprob is not None:
+            self.waiting[position] = self.entries.entry(sample.token_id, sample.logprob)
+        hidden = sample.finish is FinishCause.EOS or (
+            sample.finish is FinishCause.STOP_TOKEN and not self.include_stop_token_text
+        )
+        deltas = self._deltas(self.pipeline.feed(sample.token_id, visible=not hidden))
+        stop_string = self.pipeline.stopped_by
+        if stop_string is not None:
+            deltas += self._finish(FinishCause.STOP_STRING, stop_string)
+            return deltas, True
+        if sample.finish is not None:
+            matched = sample.token_id if sample.finish is FinishCause.STOP_TOKEN else None
+            deltas += self._finish(sample.finish, matched)
+        return deltas, False
+
+    def abandon(self) -> list[ChoiceDelta]:
+        """The scheduler ended the request without finishing this choice."""
+        return [] if self.finished else self._finish(FinishCause.CANCELLED, None)
+
+    def _finish(self, cause: FinishCause, matched: str | int | None) -> list[ChoiceDelta]:
+        self.finished = True
+        done = self.pipeline.finish()
+        deltas = self._deltas(done.chunks)
+        final = self._delta(done.final)
+        reason = cause.finish_reason
+        if self.called_tools and reason == "stop":
+            reason = "tool_calls"
+        deltas.append(
+            ChoiceDelta(
+                index=self.index,
+                logprobs=final.logprobs,
+                finish_reason=reason,
+                matched_stop=matched,
+            )
+        )
+        return deltas
+
+    def _deltas(self, chunks: list[Chunk] | tuple[Chunk, ...]) -> list[ChoiceDelta]:
+        return [self._delta(chunk) for chunk in chunks]
+
+    def _delta(self, chunk: Chunk) -> ChoiceDelta:
+        calls = tuple(
+            ToolCallDelta(
+                index=f.index,
+                arguments=f.arguments,
+                name=f.name,
+                id=None if f.name is None else f"call_{secrets.token_hex(12)}",
+            )
+            for f in chunk.tool_calls
+        )
+        if calls:
+            self.called_tools = True
+        logprobs = None
+        if self.with_logprobs:
+            logprobs = ChoiceLogprobs(
+                content=self._entries(chunk.content_tokens),
+                reasoning=self._entries(chunk.reasoning_tokens),
+                tool_calls=self._entries(chunk.tool_call_tokens),
+            )
+        return ChoiceDelta(
+            index=self.index,
+            content=chunk.content,
+            reasoning=chunk.reasoning,
+            tool_calls=calls,
+            logprobs=logprobs,
+        )
+
+    def _entries(self, tokens: tuple[int, ...]) -> tuple[LogprobEntry, ...]:
+        return tuple(self.waiting.pop(t) for t in tokens if t in self.waiting)
+
+
+async def run(
+    receive: ObjectReceiveStream[RequestOutput],
+    send: ObjectSendStream[EmitterEvent],
+    scheduler: ChoiceFinisher,
+    config: OutputConfig,
+) -> None:
+    entries = EntryFactory(config.table, config.tokens_as_ids)
+    choices = [
+        ChoiceOutput(
+            index=i,
+            pipeline=config.make_pipeline(),
+            entries=entries,
+            with_logprobs=config.logprobs,
+            include_stop_token_text=config.include_stop_token_text,
+        )
+        for i in range(config.n)
+    ]
+    async with receive, send:
+        async for message in receive:
+            if isinstance(message, StepOutput):
+                deltas = []
+                for sample in message.samples:
+                    produced, stopped = choices[sample.choice].take(sample)
+                    deltas += produced
+                    if stopped:
+                        scheduler.finish_choice(config.request_id, sample.choice)
+                if deltas:
+                    await send.send(Deltas(deltas=tuple(deltas)))
+            elif isinstance(message, PromptScores):
+                await send.send(_prompt_logprobs(message, config, entries))
+            elif isinstance(message, RequestFailed):
+                await send.send(Failed(message=message.message))
+                return
+        leftovers = [delta for choice in choices for delta in choice.abandon()]
+        if leftovers:
+            await send.send(Deltas(deltas=tuple(leftovers)))
+        await send.send(Completed(usage=_usage(choices, len(config.prompt_ids))))
+
+
+def _usage(choices: list[ChoiceOutput], prompt_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=sum(c.pipeline.tokens_fed for c in choices),
+        reasoning_tokens=sum(c.pipeline.channel_counts()[Channel.REASONING] for c in choices),
+    )
+
+
+def _prompt_logprobs(
+    scores: PromptScores, config: OutputConfig, entries: EntryFactory
+) -> PromptLogprobs:
+    return PromptLogprobs(
+        entries=tuple(
+            None if score is None else entries.entry(token_id, score)
+            for token_id, score in zip(config.prompt_ids, scores.entries, strict=True)
+        )
+    )

@@ -1,0 +1,1 @@
+"""Model runners behind one small interface, and what loads a model."""

@@ -1,0 +1,85 @@
+"""The engine interface: prefill a slot, decode one step for a batch, free.
+
+Every method blocks (it runs the model) and is called from a worker thread,
+never from the event loop. Logits come back as NumPy ``float32`` arrays: the
+sampler and the logprob reducer work on NumPy, and both engines hand their
+arrays over without copying where the memory allows (mlx's unified memory, a
+CPU torch tensor); on a CUDA device this is one device-to-host copy per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+Logits = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineInfo:
+    """What the server reports about the engine it runs."""
+
+    name: str
+    device: str
+    dtype: str
+    vocab_size: int
+    max_context: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeResult:
+    """One decode step: ``logits[i]`` is the next-token distribution of ``slots[i]``."""
+
+    slots: tuple[int, ...]
+    logits: Logits
+
+
+class Engine(Protocol):
+    """A model runner that owns a KV cache per slot and decodes slots in batches.
+
+    A slot is created by :meth:`prefill` (which may be called several times to
+    prefill a long prompt in chunks), joins the running batch the first time
+    :meth:`decode` names it, and leaves it with :meth:`free`. Rows of different
+    lengths decode together; adding or dropping one never recomputes the others.
+    """
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    def prefill(self, slot: int, token_ids: Sequence[int], *, all_logits: bool = False) -> Logits:
+        """Append ``token_ids`` to the slot's cache (creating the slot).
+
+        Returns the logits of the last position as a ``[1, vocab]`` array, or of
+        every position (``[len(token_ids), vocab]``) when ``all_logits``.
+        """
+        ...
+
+    def fork(self, source: int, target: int) -> None:
+        """Copy a prefilled slot that has not decoded yet into a new slot."""
+        ...
+
+    def decode(self, tokens: Mapping[int, int]) -> DecodeResult:
+        """Feed one token to each slot named and return each slot's next logits.
+
+        ``tokens`` names every slot in the running batch plus any newly
+        prefilled slots, which join the batch here.
+        """
+        ...
+
+    def free(self, slot: int) -> None:
+        """Drop the slot and its cache, wherever it is."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def config_max_context(config: Mapping[str, Any]) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = config.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 4096

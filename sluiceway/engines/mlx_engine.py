@@ -1,0 +1,116 @@
+"""The mlx-lm engine: Apple silicon (Metal), or Linux through ``mlx[cpu]``.
+
+Continuous batching uses mlx-lm's left-padded ``BatchKVCache``: a prefilled
+slot keeps its own per-layer ``KVCache`` until its first decode, when it is
+merged into the running batch (``extend``); a freed slot is filtered out of
+the batch without touching the other rows.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from sluiceway.engines.base import DecodeResult, EngineInfo, Logits, config_max_context
+from sluiceway.engines.loader import ModelSource
+
+#: Prompt positions per forward pass while prefilling, to bound peak memory.
+PREFILL_STEP = 512
+
+
+class MlxEngine:
+    def __init__(self, source: ModelSource) -> None:
+        import mlx.core as mx
+        from mlx_lm.utils import load_model
+
+        self._mx = mx
+        self._model, config = load_model(source.path)
+        self._pending: dict[int, list[Any]] = {}
+        self._batch: list[Any] | None = None
+        self._order: list[int] = []
+        device = mx.default_device()
+        self._info = EngineInfo(
+            name="mlx",
+            device="gpu" if device == mx.gpu else "cpu",
+            dtype=str(config.get("torch_dtype") or config.get("dtype") or "auto"),
+            vocab_size=int(source.vocab_size),
+            max_context=config_max_context(config),
+        )
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def prefill(self, slot: int, token_ids: Sequence[int], *, all_logits: bool = False) -> Logits:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        mx = self._mx
+        if not token_ids:
+            raise ValueError("prefill needs at least one token")
+        cache = self._pending.get(slot)
+        if cache is None:
+            cache = self._pending[slot] = make_prompt_cache(self._model)
+        pieces = []
+        for start in range(0, len(token_ids), PREFILL_STEP):
+            chunk = mx.array(token_ids[start : start + PREFILL_STEP])[None]
+            logits = self._model(chunk, cache=cache)[0]
+            if all_logits:
+                pieces.append(logits.astype(mx.float32))
+            else:
+                mx.eval([c.state for c in cache])
+        out = mx.concatenate(pieces) if all_logits else logits[-1:].astype(mx.float32)
+        mx.eval(out)
+        return np.asarray(out)
+
+    def fork(self, source: int, target: int) -> None:
+        self._pending[target] = [copy.deepcopy(layer) for layer in self._pending[source]]
+
+    def decode(self, tokens: Mapping[int, int]) -> DecodeResult:
+        mx = self._mx
+        self._join_new(tokens)
+        missing = set(self._order) - tokens.keys()
+        if missing:
+            raise ValueError(f"decode must name every running slot; missing {sorted(missing)}")
+        inputs = mx.array([tokens[slot] for slot in self._order])[:, None]
+        logits = self._model(inputs, cache=self._batch)[:, -1, :].astype(mx.float32)
+        mx.eval(logits)
+        return DecodeResult(tuple(self._order), np.asarray(logits))
+
+    def free(self, slot: int) -> None:
+        if self._pending.pop(slot, None) is not None or slot not in self._order:
+            return
+        keep = [row for row, other in enumerate(self._order) if other != slot]
+        self._order.pop(self._order.index(slot))
+        if not keep:
+            self._batch = None
+            return
+        assert self._batch is not None
+        indices = self._mx.array(keep)
+        for layer in self._batch:
+            layer.filter(indices)
+
+    def close(self) -> None:
+        self._pending.clear()
+        self._batch = None
+        self._order.clear()
+
+    def _join_new(self, tokens: Mapping[int, int]) -> None:
+        from mlx_lm.models.cache import BatchKVCache
+
+        joining = [slot for slot in tokens if slot not in self._order]
+        if not joining:
+            return
+        for slot in joining:
+            if slot not in self._pending:
+                raise ValueError(f"slot {slot} was never prefilled")
+        per_layer = zip(*(self._pending.pop(slot) for slot in joining), strict=True)
+        merged = [BatchKVCache.merge(list(layer_caches)) for layer_caches in per_layer]
+        if self._batch is None:
+            self._batch = merged
+        else:
+            for running, new in zip(self._batch, merged, strict=True):
+                running.extend(new)
+        self._order.extend(joining)

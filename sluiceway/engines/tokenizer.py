@@ -1,0 +1,182 @@
+"""The model's tokenizer: chat template rendering, encoding, and the exact
+bytes of every token id (the :class:`TokenTable` the detokenizer and the
+logprob entries use)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from sluiceway.parsers.detokenizer import TokenTable
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet: printable bytes stand for themselves, the
+    rest are shifted past 255 so that every byte is a visible character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars: dict[str, int] = {chr(b): b for b in printable}
+    shift = 0
+    for byte in range(256):
+        if byte not in printable:
+            chars[chr(256 + shift)] = byte
+            shift += 1
+    return chars
+
+
+def _decoder_kinds(decoder: Mapping[str, Any] | None) -> set[str]:
+    if not decoder:
+        return set()
+    kinds = {str(decoder.get("type"))}
+    for inner in decoder.get("decoders") or ():
+        kinds |= _decoder_kinds(inner)
+    return kinds
+
+
+def _strips_first_space(decoder: Mapping[str, Any] | None) -> bool:
+    if not decoder:
+        return False
+    if decoder.get("type") == "Strip":
+        return int(decoder.get("start", 0)) > 0
+    if decoder.get("type") == "Metaspace":
+        return decoder.get("prepend_scheme", "always") != "never" and decoder.get(
+            "add_prefix_space", True
+        )
+    return any(_strips_first_space(inner) for inner in decoder.get("decoders") or ())
+
+
+def _piece_bytes(piece: str, kinds: set[str]) -> bytes:
+    if "ByteLevel" in kinds:
+        alphabet = _byte_level_alphabet()
+        if all(char in alphabet for char in piece):
+            return bytes(alphabet[char] for char in piece)
+        return piece.encode("utf-8")
+    if "ByteFallback" in kinds and (found := _BYTE_FALLBACK.match(piece)):
+        return bytes([int(found.group(1), 16)])
+    if kinds & {"Metaspace", "Replace"}:
+        return piece.replace("\u2581", " ").encode("utf-8")
+    if "WordPiece" in kinds and piece.startswith("##"):
+        return piece[2:].encode("utf-8")
+    return piece.encode("utf-8")
+
+
+def build_token_table(tokenizer_json: Mapping[str, Any], vocab_size: int) -> TokenTable:
+    """Build the id -> bytes table from a ``tokenizer.json`` document.
+
+    Added tokens are literal text; regular vocabulary pieces are decoded the
+    way the tokenizer's decoder would (byte-level alphabet, byte fallback,
+    metaspace). Ids past the vocabulary (padding rows of the embedding) are
+    empty.
+    """
+    decoder = tokenizer_json.get("decoder")
+    kinds = _decoder_kinds(decoder)
+    model = tokenizer_json.get("model") or {}
+    vocab: Mapping[str, int] = model.get("vocab") or {}
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+        vocab = {entry[0]: index for index, entry in enumerate(vocab)}
+    size = max([vocab_size, *(i + 1 for i in vocab.values())])
+    raw: list[bytes] = [b""] * size
+    for piece, index in vocab.items():
+        raw[index] = _piece_bytes(piece, kinds)
+    hidden: set[int] = set()
+    for added in tokenizer_json.get("added_tokens") or ():
+        index = int(added["id"])
+        if index >= len(raw):
+            raw.extend([b""] * (index + 1 - len(raw)))
+        raw[index] = str(added["content"]).encode("utf-8")
+        if added.get("special"):
+            hidden.add(index)
+    return TokenTable(tuple(raw), frozenset(hidden), _strips_first_space(decoder))
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRender:
+    """A rendered chat prompt and the assistant prefix the template added."""
+
+    text: str
+    assistant_prefix: str
+
+
+class ModelTokenizer:
+    """A Hugging Face tokenizer plus what streaming needs of it."""
+
+    def __init__(self, model_dir: Path, vocab_size: int) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf: Any = AutoTokenizer.from_pretrained(str(model_dir))
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(f"{model_dir}: only fast (tokenizer.json) tokenizers are supported")
+        self.table = build_token_table(json.loads(backend.to_str()), vocab_size)
+        self.eos_ids = frozenset(_eos_ids(model_dir, self.hf))
+        self.chat_template: str | None = getattr(self.hf, "chat_template", None)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.hf.encode(text, add_special_tokens=False)
+        return ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Encode a raw prompt as the model expects (BOS where it wants one)."""
+        ids: list[int] = self.hf.encode(text, add_special_tokens=True)
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.table.decode(ids)
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> ChatRender:
+        """Render a conversation with the generation prompt appended.
+
+        The assistant prefix is what rendering with the generation prompt adds
+        over rendering without it; parsers are primed with it (it tells, for
+        instance, whether the template already opened ``<think>``).
+        """
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        kwargs = dict(template_kwargs or {})
+        text = self._apply(messages, tools, True, kwargs)
+        bare = self._apply(messages, tools, False, kwargs)
+        prefix = text[len(bare) :] if text.startswith(bare) else ""
+        return ChatRender(text, prefix)
+
+    def _apply(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        generation_prompt: bool,
+        kwargs: dict[str, Any],
+    ) -> str:
+        rendered = self.hf.apply_chat_template(
+            list(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+            **kwargs,
+        )
+        return str(rendered)
+
+
+def _eos_ids(model_dir: Path, hf: Any) -> set[int]:
+    ids: set[int] = set()
+    if getattr(hf, "eos_token_id", None) is not None:
+        ids.add(int(hf.eos_token_id))
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.is_file():
+        value = json.loads(generation_config.read_text()).get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return ids

@@ -1,0 +1,243 @@
+"""Wire models of ``/v1/chat/completions``: the request and both reply shapes."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
+
+from sluiceway.protocol.wire import TokenLogprobWire, UsageWire, WireModel
+
+Probability = Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
+
+
+class StrictModel(BaseModel):
+    """Requests: unknown fields are refused, as OpenAI refuses them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class LenientModel(BaseModel):
+    """Nested request objects that clients often echo back with extra keys
+    (an assistant message copied from a previous reply, say)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(LenientModel):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCallWire(LenientModel):
+    name: str
+    arguments: str
+
+
+class ToolCallWire(LenientModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallWire
+
+
+class ChatMessage(LenientModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallWire] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_validator(mode="after")
+    def _content_where_required(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class FunctionSpec(LenientModel):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.:-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(LenientModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(LenientModel):
+    name: str
+
+
+class NamedToolChoice(LenientModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(StrictModel):
+    include_usage: StrictBool = False
+
+
+class ResponseFormat(LenientModel):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class SamplingFields(StrictModel):
+    """Fields shared with ``/v1/completions``."""
+
+    model: StrictStr
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Probability | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    min_p: Probability | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=128)] = 1
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    presence_penalty: Annotated[StrictFloat, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[StrictFloat, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0, le=10.0)] | None = None
+    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]] | None = None
+    user: str | None = None
+    # Extensions shared with vLLM and SGLang.
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
+    logprob_token_ids: list[StrictInt] | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+class ChatRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Accepted for compatibility; they do not change generation here.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    modalities: list[Literal["text"]] | None = None
+
+
+# --- replies ---------------------------------------------------------------
+
+
+class ChoiceLogprobsWire(WireModel):
+    content: list[TokenLogprobWire] | None
+    refusal: list[TokenLogprobWire] | None
+    #: Extensions: entries of reasoning-home and tool-call-home tokens.
+    reasoning_content: list[TokenLogprobWire] | None = None
+    tool_calls: list[TokenLogprobWire] | None = None
+
+
+class FunctionWire(WireModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDeltaWire(WireModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionWire | None = None
+
+
+class DeltaWire(WireModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    refusal: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDeltaWire] | None = None
+
+
+class ChunkChoiceWire(WireModel):
+    index: int
+    delta: DeltaWire
+    logprobs: ChoiceLogprobsWire | None
+    finish_reason: str | None
+    #: Extension: the stop string or stop token id that ended the choice.
+    matched_stop: str | int | None = None
+
+
+class ChatChunk(WireModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: StrictStr
+    system_fingerprint: str | None = None
+    choices: list[ChunkChoiceWire]
+    usage: UsageWire | None = None
+
+
+class ToolCallMessageWire(WireModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionWire
+
+
+class AssistantMessageWire(WireModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: str | None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallMessageWire] | None = None
+
+
+class ChatChoiceWire(WireModel):
+    index: int
+    message: AssistantMessageWire
+    logprobs: ChoiceLogprobsWire | None
+    finish_reason: str
+    matched_stop: str | int | None = None
+
+
+class ChatCompletion(WireModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: StrictStr
+    system_fingerprint: str | None = None
+    choices: list[ChatChoiceWire]
+    usage: UsageWire

@@ -1,0 +1,289 @@
+"""Messages the actors exchange: frozen, slotted, keyword-only dataclasses.
+
+Each channel has one union alias (``SchedulerCommand``, ``RequestOutput``,
+``EmitterEvent``) so an actor's ``async for`` loop matches on a closed set.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from anyio.abc import ObjectSendStream
+
+# Actor messages carry engine arrays (NumPy float32) without copying them.
+Array = Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """How one choice picks its next token; ``temperature == 0`` is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogprobParams:
+    """What logprobs one request asked for. ``top is None``: none at all."""
+
+    top: int | None = None
+    token_ids: tuple[int, ...] = ()
+    prompt_top: int | None = None
+
+    @property
+    def per_token(self) -> bool:
+        return self.top is not None or bool(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    """Token-level ends of generation, enforced by the scheduler."""
+
+    max_tokens: int
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+
+class FinishCause(enum.Enum):
+    EOS = "eos"
+    STOP_TOKEN = "stop_token"
+    STOP_STRING = "stop_string"
+    MAX_TOKENS = "max_tokens"
+    CANCELLED = "cancelled"
+
+    @property
+    def finish_reason(self) -> str:
+        return "length" if self is FinishCause.MAX_TOKENS else "stop"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerationRequest:
+    """A validated request, as the scheduler sees it."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    n: int = 1
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    logprobs: LogprobParams = field(default_factory=LogprobParams)
+    limits: Limits
+
+
+# --- server -> scheduler ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Submit:
+    request: GenerationRequest
+    output: ObjectSendStream[RequestOutput]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FinishChoice:
+    """The output actor ended a choice (a stop string matched)."""
+
+    request_id: str
+    choice: int
+
+
+SchedulerCommand = Submit | Cancel | FinishChoice
+
+
+# --- scheduler <-> sampler <-> reducer -------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Row:
+    """One batch row: a choice of a request, with what sampling needs of it."""
+
+    request_id: str
+    choice: int
+    sampling: SamplingParams
+    logprobs: LogprobParams
+    prompt_ids: tuple[int, ...]
+    first: bool
+    #: Ids this row may not pick now (EOS and stop tokens before min_tokens).
+    suppress: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.request_id, self.choice)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogitsStep:
+    """One engine step's last-position logits, a row per :class:`Row`."""
+
+    step: int
+    rows: tuple[Row, ...]
+    logits: Array
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenLogprob:
+    """The reduced logprobs of one sampled token (ids, not text)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    requested: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SampledStep:
+    """Sampled ids for a step; ``logits``/``processed`` travel to the reducer
+    only when a row asked for logprobs, and are gone after it."""
+
+    step: int
+    rows: tuple[Row, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob | None, ...] | None = None
+    logits: Array | None = None
+    processed: Array | None = None
+
+
+# --- scheduler -> per-request output actor ---------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenSample:
+    choice: int
+    token_id: int
+    logprob: TokenLogprob | None
+    finish: FinishCause | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepOutput:
+    """A request's tokens from one engine step (one per running choice)."""
+
+    samples: tuple[TokenSample, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PromptScores:
+    """Logprobs of the prompt tokens; the first prompt token has none."""
+
+    entries: tuple[TokenLogprob | None, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestFailed:
+    message: str
+
+
+RequestOutput = StepOutput | PromptScores | RequestFailed
+
+
+# --- output actor -> emitter -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TopLogprob:
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogprobEntry:
+    """A token's logprob entry, with text, as the client sees it."""
+
+    token: str
+    token_id: int
+    logprob: float
+    bytes: tuple[int, ...]
+    top_logprobs: tuple[TopLogprob, ...] = ()
+    requested: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCallDelta:
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChoiceLogprobs:
+    content: tuple[LogprobEntry, ...] = ()
+    reasoning: tuple[LogprobEntry, ...] = ()
+    tool_calls: tuple[LogprobEntry, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChoiceDelta:
+    """A delta of one choice; ``finish_reason`` is set on the choice's last."""
+
+    index: int
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PromptLogprobs:
+    """Prompt-token entries for ``echo`` and ``prompt_logprobs``."""
+
+    entries: tuple[LogprobEntry | None, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Deltas:
+    """One engine step's deltas for one request (possibly several choices)."""
+
+    deltas: tuple[ChoiceDelta, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Completed:
+    usage: Usage
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Failed:
+    message: str
+
+
+EmitterEvent = Deltas | PromptLogprobs | Completed | Failed

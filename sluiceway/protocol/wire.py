@@ -1,0 +1,81 @@
+"""Wire models shared by the API surfaces: errors, usage, logprobs, models."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class WireModel(BaseModel):
+    """Responses: serialised with ``exclude_unset``, so an optional field
+    (default ``None``) is present exactly when it was set -- to a value or,
+    deliberately, to null. Fields with any other default (``object``,
+    ``role``) always count as set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    def model_post_init(self, context: Any, /) -> None:
+        for name, spec in type(self).model_fields.items():
+            if not spec.is_required() and spec.default is not None:
+                self.__pydantic_fields_set__.add(name)
+
+    def to_json(self) -> str:
+        return self.model_dump_json(exclude_unset=True)
+
+
+class ErrorDetail(WireModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(WireModel):
+    error: ErrorDetail
+
+
+class PromptTokensDetails(WireModel):
+    cached_tokens: int = 0
+
+
+class CompletionTokensDetails(WireModel):
+    reasoning_tokens: int = 0
+
+
+class UsageWire(WireModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+
+class TopLogprobWire(WireModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobWire(WireModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprobWire]
+    #: Extension: logprobs of the ids the request named in ``logprob_token_ids``.
+    token_id_logprobs: dict[str, float] | None = None
+
+
+class ModelCard(WireModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    #: Extension: which engine serves the model, and its context length.
+    engine: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(WireModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

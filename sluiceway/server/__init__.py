@@ -1,0 +1,6 @@
+"""The HTTP edge: the ASGI app, routing, validation, SSE, auth and the CLI."""
+
+from sluiceway.server.app import SluicewayApp, create_app
+from sluiceway.server.config import ServerConfig
+
+__all__ = ["ServerConfig", "SluicewayApp", "create_app"]

@@ -1,0 +1,104 @@
+"""``sluiceway serve``: run the app under Hypercorn (asyncio or trio worker)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from sluiceway import __version__
+from sluiceway.server.config import CHOICES, ServerConfig
+
+#: Model loading (and building the default model) happens during start-up.
+STARTUP_TIMEOUT_SECONDS = 900
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluiceway", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"sluiceway {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="start the OpenAI-compatible server")
+    defaults = ServerConfig()
+    helps = {
+        "model": "local model directory or Hugging Face id (from the local cache); "
+        "default: the embedded default model",
+        "served_model_name": "the model name clients use (default: --model)",
+        "engine": "model runner",
+        "worker_class": "Hypercorn worker class",
+        "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
+        "max_body_bytes": "largest request body accepted (413 beyond)",
+        "max_num_seqs": "most sequences decoded together in one batch",
+        "max_queued_requests": "most requests waiting for a slot (429 beyond)",
+        "max_top_logprobs": "largest top_logprobs / logprobs / prompt_logprobs accepted",
+        "logprobs_mode": "raw: the model's distribution; processed: the one sampled from",
+        "return_tokens_as_token_ids": "logprob tokens as 'token_id:N' for every request",
+        "reasoning_field": "delta/message field(s) that carry reasoning text",
+        "cache_dir": "where the default model is built (default: $XDG_CACHE_HOME/sluiceway)",
+        "log_level": "logging level",
+    }
+    for spec in dataclasses.fields(ServerConfig):
+        default = getattr(defaults, spec.name)
+        options: dict[str, Any] = {"help": helps.get(spec.name, ""), "default": default}
+        if spec.name in CHOICES:
+            options["choices"] = CHOICES[spec.name]
+        if isinstance(default, bool):
+            options["action"] = argparse.BooleanOptionalAction
+        elif isinstance(default, int):
+            options["type"] = int
+        serve.add_argument(_flag(spec.name), **options)
+    return parser
+
+
+def hypercorn_config(config: ServerConfig) -> Any:
+    from hypercorn.config import Config
+
+    hyper = Config()
+    hyper.bind = [f"{config.host}:{config.port}"]
+    hyper.worker_class = config.worker_class
+    hyper.startup_timeout = STARTUP_TIMEOUT_SECONDS
+    hyper.accesslog = "-"
+    hyper.errorlog = "-"
+    hyper.loglevel = config.log_level.upper()
+    return hyper
+
+
+def serve(config: ServerConfig) -> None:
+    from sluiceway.server.app import create_app
+
+    app = create_app(config)
+    hyper = hypercorn_config(config)
+    if config.worker_class == "trio":
+        import trio
+        from hypercorn.trio import serve as trio_serve
+
+        trio.run(trio_serve, app, hyper)
+    else:
+        import asyncio
+
+        from hypercorn.asyncio import serve as asyncio_serve
+
+        asyncio.run(asyncio_serve(app, hyper))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    values = {
+        spec.name: getattr(args, spec.name) for spec in dataclasses.fields(ServerConfig)
+    }
+    try:
+        config = ServerConfig(**values)
+    except ValueError as error:
+        print(f"sluiceway: {error}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    serve(config)
+    return 0

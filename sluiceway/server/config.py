@@ -1,0 +1,87 @@
+"""The server's configuration: one frozen dataclass, from flags or environment."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+WorkerClass = Literal["asyncio", "trio"]
+
+ENV_PREFIX = "SLUICEWAY_"
+
+#: Fields whose value is one of a few words (checked, since the environment
+#: can hold anything).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "engine": ("auto", "mlx"),
+    "worker_class": ("asyncio", "trio"),
+    "logprobs_mode": ("raw", "processed"),
+    "reasoning_field": ("reasoning_content", "reasoning", "both"),
+    "log_level": ("debug", "info", "warning", "error"),
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    """Everything that shapes the server. Each field has a flag
+    (``--max-body-bytes``) and an environment variable
+    (``SLUICEWAY_MAX_BODY_BYTES``) for the app factory."""
+
+    model: str | None = None
+    served_model_name: str | None = None
+    engine: Literal["auto", "mlx"] = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    worker_class: WorkerClass = "asyncio"
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_num_seqs: int = 32
+    max_queued_requests: int = 256
+    max_top_logprobs: int = 20
+    logprobs_mode: Literal["raw", "processed"] = "raw"
+    return_tokens_as_token_ids: bool = False
+    reasoning_field: Literal["reasoning_content", "reasoning", "both"] = "reasoning_content"
+    cache_dir: str | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}")
+        for name in ("port", "max_body_bytes", "max_num_seqs", "max_queued_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if not 0 <= self.max_top_logprobs <= 1000:
+            raise ValueError("max_top_logprobs must be between 0 and 1000")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ServerConfig:
+        """Read ``SLUICEWAY_*`` variables (used by the ``create_app()`` factory)."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for spec in fields(cls):
+            raw = env.get(ENV_PREFIX + spec.name.upper())
+            if raw is None or raw == "":
+                continue
+            values[spec.name] = _coerce(spec.name, raw, cls.__dataclass_fields__[spec.name].type)
+        return cls(**values)
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model or "sluiceway-default"
+
+
+def _coerce(name: str, raw: str, annotation: object) -> object:
+    text = str(annotation)
+    if text.startswith("int"):
+        return int(raw)
+    if text.startswith("bool"):
+        if raw.lower() in {"1", "true", "yes", "on"}:
+            return True
+        if raw.lower() in {"0", "false", "no", "off"}:
+            return False
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a boolean")
+    return raw

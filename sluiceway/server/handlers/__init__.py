@@ -1,0 +1,1 @@
+"""One module per API surface; each handler is ``(scope, receive, send)``."""

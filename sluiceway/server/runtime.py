@@ -1,0 +1,107 @@
+"""The model runtime: loading the model, and running the actor pipeline.
+
+    handlers --Submit/Cancel--> scheduler --LogitsStep--> sampler
+                                    ^                       |
+                                    +--SampledStep-- reducer <+
+
+Per request, the handler runs its own output actor and emitter (see
+``sluiceway.server.handlers``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+from anyio.abc import TaskStatus
+
+from sluiceway.actors import reducer, sampler
+from sluiceway.actors.sampler import SamplerConfig
+from sluiceway.actors.scheduler import Scheduler, SchedulerConfig, SchedulerHandle, open_inbox
+from sluiceway.engines.base import Engine
+from sluiceway.engines.default_model import default_model_dir
+from sluiceway.engines.loader import ModelSource, resolve_model
+from sluiceway.engines.tokenizer import ModelTokenizer
+from sluiceway.protocol.messages import LogitsStep, SampledStep
+from sluiceway.server.config import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    source: ModelSource
+    tokenizer: ModelTokenizer
+    engine: Engine
+    created: int
+
+
+def make_engine(choice: str, source: ModelSource) -> Engine:
+    from sluiceway.engines.mlx_engine import MlxEngine
+
+    if choice not in {"auto", "mlx"}:
+        raise ValueError(f"unknown engine {choice!r}")
+    return MlxEngine(source)
+
+
+def load_model(config: ServerConfig) -> LoadedModel:
+    """Resolve, load and wrap the model (blocking: call from a worker thread)."""
+    spec = config.model
+    if spec is None:
+        cache_dir = Path(config.cache_dir) if config.cache_dir else None
+        spec = str(default_model_dir(cache_dir))
+    source = resolve_model(spec)
+    started = time.perf_counter()
+    engine = make_engine(config.engine, source)
+    tokenizer = ModelTokenizer(source.path, engine.info.vocab_size)
+    logger.info(
+        "loaded %s on %s/%s (%s) in %.1f s",
+        source.path,
+        engine.info.name,
+        engine.info.device,
+        engine.info.dtype,
+        time.perf_counter() - started,
+    )
+    return LoadedModel(source, tokenizer, engine, int(time.time()))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineOptions:
+    #: Wire the logprob reducer in (benchmarks compare against leaving it out).
+    with_reducer: bool = True
+    processed_logprobs: bool = False
+
+
+async def run_pipeline(
+    model: LoadedModel,
+    config: SchedulerConfig,
+    options: PipelineOptions,
+    *,
+    task_status: TaskStatus[SchedulerHandle] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run scheduler, sampler and reducer until cancelled."""
+    handle, inbox = open_inbox(config)
+    scheduler = Scheduler(model.engine, config, handle)
+    to_sampler_send, to_sampler_receive = anyio.create_memory_object_stream[LogitsStep](1)
+    sampled_send, sampled_receive = anyio.create_memory_object_stream[SampledStep](1)
+    async with anyio.create_task_group() as group:
+        if options.with_reducer:
+            reduced_send, reduced_receive = anyio.create_memory_object_stream[SampledStep](1)
+            group.start_soon(reducer.run, sampled_receive, reduced_send)
+            back_to_scheduler = reduced_receive
+        else:
+            back_to_scheduler = sampled_receive
+        group.start_soon(
+            sampler.run,
+            to_sampler_receive,
+            sampled_send,
+            SamplerConfig(
+                forward_logits=options.with_reducer,
+                processed_logprobs=options.processed_logprobs,
+            ),
+        )
+        group.start_soon(scheduler.run, inbox, to_sampler_send, back_to_scheduler)
+        task_status.started(handle)
