@@ -4,6 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TORCH_STAMP := $(VENV)/.installed-torch
+# The CPU build of torch that lies on this machine's disk; an unpinned torch
+# can pull a multi-GB CUDA build. The tests run every engine, so they need it;
+# `make serve` does not install it (with torch present, --engine auto uses it).
+TORCH_PIN ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 
@@ -15,6 +20,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
 
+$(TORCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check '$(TORCH_PIN)'
+	touch $(TORCH_STAMP)
+
 serve: $(STAMP)
 	$(BIN)/sluiceway serve $(ARGS)
 
@@ -25,7 +34,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+pytest: $(TORCH_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # pytest's exit code 5 (nothing collected) fails this target like any other.
