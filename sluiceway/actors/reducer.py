@@ -18,6 +18,7 @@ from sluiceway.protocol.messages import SampledStep
 
 def reduce_step(step: SampledStep) -> SampledStep:
     source = step.processed if step.processed is not None else step.logits
+    assert source is not None, "only steps that carry logits are reduced"
     logprobs = reduce_rows(source, step.token_ids, [row.logprobs for row in step.rows])
     return replace(step, logprobs=tuple(logprobs), logits=None, processed=None)
 

@@ -15,6 +15,7 @@ there, one call at a time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import deque
@@ -25,6 +26,7 @@ from typing import TypeVar
 import anyio
 import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from sluiceway.engines.base import DecodeResult, Engine
 from sluiceway.protocol.errors import Overloaded
@@ -41,7 +43,6 @@ from sluiceway.protocol.messages import (
     SchedulerCommand,
     StepOutput,
     Submit,
-    TokenLogprob,
     TokenSample,
 )
 
@@ -80,14 +81,18 @@ class _Request:
 class SchedulerHandle:
     """What the server holds: submit, cancel, and the scheduler's counters."""
 
-    def __init__(self, inbox: ObjectSendStream[SchedulerCommand], config: SchedulerConfig) -> None:
+    def __init__(
+        self, inbox: MemoryObjectSendStream[SchedulerCommand], config: SchedulerConfig
+    ) -> None:
         self._inbox = inbox
         self._config = config
         self.queued = 0
         self.running_requests = 0
         self.running_rows = 0
 
-    def submit(self, request: GenerationRequest, output: ObjectSendStream[RequestOutput]) -> None:
+    def submit(
+        self, request: GenerationRequest, output: MemoryObjectSendStream[RequestOutput]
+    ) -> None:
         if self.queued >= self._config.max_queued_requests:
             raise Overloaded(
                 f"the server has {self.queued} requests waiting, its limit; retry shortly"
@@ -102,15 +107,14 @@ class SchedulerHandle:
         self._send(FinishChoice(request_id=request_id, choice=choice))
 
     def _send(self, command: SchedulerCommand) -> None:
-        try:
+        # While shutting down the inbox is gone, and there is nothing to cancel.
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
             self._inbox.send_nowait(command)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass  # shutting down: nothing left to cancel
 
 
 def open_inbox(
     config: SchedulerConfig,
-) -> tuple[SchedulerHandle, ObjectReceiveStream[SchedulerCommand]]:
+) -> tuple[SchedulerHandle, MemoryObjectReceiveStream[SchedulerCommand]]:
     # Unbounded: the bound on waiting requests is enforced by the handle, and
     # control messages (cancel, finish) must never block or be refused.
     send, receive = anyio.create_memory_object_stream[SchedulerCommand](math.inf)
@@ -131,7 +135,7 @@ class Scheduler:
 
     async def run(
         self,
-        inbox: ObjectReceiveStream[SchedulerCommand],
+        inbox: MemoryObjectReceiveStream[SchedulerCommand],
         to_sampler: ObjectSendStream[LogitsStep],
         from_sampler: ObjectReceiveStream[SampledStep],
     ) -> None:
@@ -155,7 +159,7 @@ class Scheduler:
 
     # --- commands ---------------------------------------------------------
 
-    def _drain(self, inbox: ObjectReceiveStream[SchedulerCommand]) -> None:
+    def _drain(self, inbox: MemoryObjectReceiveStream[SchedulerCommand]) -> None:
         while True:
             try:
                 self._handle_command(inbox.receive_nowait())
@@ -165,18 +169,17 @@ class Scheduler:
     def _handle_command(self, command: SchedulerCommand) -> None:
         if isinstance(command, Submit):
             self._handle.queued -= 1
-            request = _Request(command)
-            self._requests[command.request.request_id] = request
-            self._waiting.append(request)
-        elif isinstance(command, Cancel):
-            request = self._requests.get(command.request_id)
-            if request is not None:
-                self._close(request)
-        elif isinstance(command, FinishChoice):
-            request = self._requests.get(command.request_id)
-            choice = request.choices.get(command.choice) if request else None
-            if request is not None and choice is not None:
-                self._drop_choice(request, choice)
+            admitted = _Request(command)
+            self._requests[command.request.request_id] = admitted
+            self._waiting.append(admitted)
+            return
+        request = self._requests.get(command.request_id)
+        if request is None:
+            return  # already finished
+        if isinstance(command, Cancel):
+            self._close(request)
+        elif (choice := request.choices.get(command.choice)) is not None:
+            self._drop_choice(request, choice)
 
     # --- one step ---------------------------------------------------------
 
@@ -268,7 +271,9 @@ class Scheduler:
             choice.generated += 1
             choice.last_token = token
             finish = self._finish_cause(choice, token)
-            sample = TokenSample(choice=choice.index, token_id=token, logprob=logprob, finish=finish)
+            sample = TokenSample(
+                choice=choice.index, token_id=token, logprob=logprob, finish=finish
+            )
             per_request.setdefault(choice.request.spec.request_id, []).append(sample)
             if finish is not None:
                 self._drop_choice(choice.request, choice, close=False)

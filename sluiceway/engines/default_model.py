@@ -113,7 +113,7 @@ def train_tokenizer(vocab_size: int, corpus: str | None = None) -> Any:
 def write_tokenizer(target: Path, tokenizer: Any, template: str) -> None:
     from transformers import PreTrainedTokenizerFast
 
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
     )
     fast.chat_template = template

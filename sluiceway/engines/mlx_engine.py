@@ -107,7 +107,10 @@ class MlxEngine:
             if slot not in self._pending:
                 raise ValueError(f"slot {slot} was never prefilled")
         per_layer = zip(*(self._pending.pop(slot) for slot in joining), strict=True)
-        merged = [BatchKVCache.merge(list(layer_caches)) for layer_caches in per_layer]
+        merged = [
+            BatchKVCache.merge(list(layer_caches))  # type: ignore[no-untyped-call]
+            for layer_caches in per_layer
+        ]
         if self._batch is None:
             self._batch = merged
         else:

@@ -46,8 +46,9 @@ def _strips_first_space(decoder: Mapping[str, Any] | None) -> bool:
     if decoder.get("type") == "Strip":
         return int(decoder.get("start", 0)) > 0
     if decoder.get("type") == "Metaspace":
-        return decoder.get("prepend_scheme", "always") != "never" and decoder.get(
-            "add_prefix_space", True
+        return bool(
+            decoder.get("prepend_scheme", "always") != "never"
+            and decoder.get("add_prefix_space", True)
         )
     return any(_strips_first_space(inner) for inner in decoder.get("decoders") or ())
 

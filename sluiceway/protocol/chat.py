@@ -131,12 +131,6 @@ class SamplingFields(StrictModel):
     logprob_token_ids: list[StrictInt] | None = None
     return_tokens_as_token_ids: StrictBool | None = None
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> SamplingFields:
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
-        return self
-
 
 class ChatRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from anyio.abc import ObjectSendStream
+    from anyio.streams.memory import MemoryObjectSendStream
 
 # Actor messages carry engine arrays (NumPy float32) without copying them.
 Array = Any
@@ -97,7 +97,7 @@ class GenerationRequest:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Submit:
     request: GenerationRequest
-    output: ObjectSendStream[RequestOutput]
+    output: MemoryObjectSendStream[RequestOutput]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

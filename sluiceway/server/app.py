@@ -17,6 +17,7 @@ from sluiceway.server.config import ServerConfig
 from sluiceway.server.handlers import chat, info
 from sluiceway.server.http import (
     ClientDisconnected,
+    Message,
     Receive,
     Scope,
     Send,
@@ -105,7 +106,7 @@ class SluicewayApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
-        async def tracking_send(message: dict[str, object]) -> None:
+        async def tracking_send(message: Message) -> None:
             nonlocal started
             started = started or message["type"] == "http.response.start"
             await send(message)

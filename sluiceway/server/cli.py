@@ -72,7 +72,7 @@ def hypercorn_config(config: ServerConfig) -> Any:
 def serve(config: ServerConfig) -> None:
     from sluiceway.server.app import create_app
 
-    app = create_app(config)
+    app: Any = create_app(config)
     hyper = hypercorn_config(config)
     if config.worker_class == "trio":
         import trio
@@ -89,9 +89,7 @@ def serve(config: ServerConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    values = {
-        spec.name: getattr(args, spec.name) for spec in dataclasses.fields(ServerConfig)
-    }
+    values = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(ServerConfig)}
     try:
         config = ServerConfig(**values)
     except ValueError as error:

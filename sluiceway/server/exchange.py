@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 import anyio
-from anyio.abc import CancelScope, ObjectSendStream
+from anyio import CancelScope
+from anyio.streams.memory import MemoryObjectSendStream
 
 from sluiceway.actors import output
 from sluiceway.actors.emitters.common import StreamEncoder, stream
@@ -23,7 +24,9 @@ from sluiceway.server.http import SSE_HEADERS, Receive, Send
 
 
 class Submitter(ChoiceFinisher, Protocol):
-    def submit(self, request: GenerationRequest, output: ObjectSendStream[RequestOutput]) -> None: ...
+    def submit(
+        self, request: GenerationRequest, output: MemoryObjectSendStream[RequestOutput]
+    ) -> None: ...
 
     def cancel(self, request_id: str) -> None: ...
 

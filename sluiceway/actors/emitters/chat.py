@@ -76,10 +76,12 @@ def _delta_wire(delta: ChoiceDelta, reasoning_field: ReasoningField) -> DeltaWir
                 function=FunctionWire(name=call.name, arguments=call.arguments),
             )
             if call.name is not None
-            else ToolCallDeltaWire(index=call.index, function=FunctionWire(arguments=call.arguments))
+            else ToolCallDeltaWire(
+                index=call.index, function=FunctionWire(arguments=call.arguments)
+            )
             for call in delta.tool_calls
         ]
-    return DeltaWire(**fields)  # type: ignore[arg-type]
+    return DeltaWire.model_validate(fields)
 
 
 class ChatStreamEncoder:

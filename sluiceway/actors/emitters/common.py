@@ -56,9 +56,7 @@ def entries_wire(entries: Iterable[LogprobEntry]) -> list[TokenLogprobWire]:
 
 
 def error_frame(message: str) -> bytes:
-    body = ErrorBody(
-        error=ErrorDetail(message=message, type="server_error", param=None, code=None)
-    )
+    body = ErrorBody(error=ErrorDetail(message=message, type="server_error", param=None, code=None))
     return sse(body.to_json())
 
 

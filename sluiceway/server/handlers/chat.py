@@ -123,7 +123,9 @@ async def handle(state: ServerState, scope: Scope, receive: Receive, send: Send)
         await stream_reply(receive, send, state.scheduler, generation, output_config, encoder)
         return
     accumulator = ChatAccumulator(reply)
-    if not await collect_reply(receive, state.scheduler, generation, output_config, accumulator.add):
+    if not await collect_reply(
+        receive, state.scheduler, generation, output_config, accumulator.add
+    ):
         return  # the client is gone; nobody to answer
     if accumulator.failure is not None:
         raise RuntimeError(accumulator.failure)

@@ -1,0 +1,191 @@
+"""JSON schemas of the OpenAI replies we emit, written from OpenAI's published
+OpenAPI description (required-but-nullable fields are required here too)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+
+NULLABLE_STRING = {"type": ["string", "null"]}
+
+TOP_LOGPROB = {
+    "type": "object",
+    "required": ["token", "logprob", "bytes"],
+    "properties": {
+        "token": {"type": "string"},
+        "logprob": {"type": "number"},
+        "bytes": {
+            "type": ["array", "null"],
+            "items": {"type": "integer", "minimum": 0, "maximum": 255},
+        },
+    },
+}
+
+TOKEN_LOGPROB = {
+    "type": "object",
+    "required": ["token", "logprob", "bytes", "top_logprobs"],
+    "properties": {
+        **TOP_LOGPROB["properties"],  # type: ignore[dict-item]
+        "top_logprobs": {"type": "array", "items": TOP_LOGPROB},
+    },
+}
+
+CHOICE_LOGPROBS = {
+    "type": ["object", "null"],
+    "required": ["content", "refusal"],
+    "properties": {
+        "content": {"type": ["array", "null"], "items": TOKEN_LOGPROB},
+        "refusal": {"type": ["array", "null"], "items": TOKEN_LOGPROB},
+        "reasoning_content": {"type": "array", "items": TOKEN_LOGPROB},
+        "tool_calls": {"type": "array", "items": TOKEN_LOGPROB},
+    },
+}
+
+USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        "prompt_tokens": {"type": "integer", "minimum": 0},
+        "completion_tokens": {"type": "integer", "minimum": 0},
+        "total_tokens": {"type": "integer", "minimum": 0},
+    },
+}
+
+FINISH_REASONS = ["stop", "length", "tool_calls", "content_filter", "function_call"]
+
+TOOL_CALL = {
+    "type": "object",
+    "required": ["id", "type", "function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+        },
+    },
+}
+
+CHAT_COMPLETION = {
+    "type": "object",
+    "required": ["id", "object", "created", "model", "choices"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "chat.completion"},
+        "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "usage": USAGE,
+        "choices": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["index", "message", "finish_reason", "logprobs"],
+                "properties": {
+                    "index": {"type": "integer"},
+                    "finish_reason": {"enum": FINISH_REASONS},
+                    "logprobs": CHOICE_LOGPROBS,
+                    "message": {
+                        "type": "object",
+                        "required": ["role", "content", "refusal"],
+                        "properties": {
+                            "role": {"const": "assistant"},
+                            "content": NULLABLE_STRING,
+                            "refusal": NULLABLE_STRING,
+                            "tool_calls": {"type": "array", "items": TOOL_CALL},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+CHAT_CHUNK = {
+    "type": "object",
+    "required": ["id", "object", "created", "model", "choices"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "chat.completion.chunk"},
+        "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "usage": {"anyOf": [{"type": "null"}, USAGE]},
+        "choices": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["index", "delta", "finish_reason"],
+                "properties": {
+                    "index": {"type": "integer"},
+                    "finish_reason": {"enum": [*FINISH_REASONS, None]},
+                    "logprobs": CHOICE_LOGPROBS,
+                    "delta": {
+                        "type": "object",
+                        "properties": {
+                            "role": {"enum": ["assistant"]},
+                            "content": NULLABLE_STRING,
+                            "refusal": NULLABLE_STRING,
+                            "tool_calls": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "required": ["index"],
+                                    "properties": {
+                                        "index": {"type": "integer"},
+                                        "id": {"type": "string"},
+                                        "type": {"const": "function"},
+                                        "function": {
+                                            "type": "object",
+                                            "properties": {
+                                                "name": {"type": "string"},
+                                                "arguments": {"type": "string"},
+                                            },
+                                        },
+                                    },
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": NULLABLE_STRING,
+                "code": NULLABLE_STRING,
+            },
+        }
+    },
+}
+
+MODEL_LIST = {
+    "type": "object",
+    "required": ["object", "data"],
+    "properties": {
+        "object": {"const": "list"},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["id", "object", "created", "owned_by"],
+                "properties": {"object": {"const": "model"}},
+            },
+        },
+    },
+}
+
+
+def check(instance: Any, schema: dict[str, Any]) -> None:
+    jsonschema.validate(instance, schema)

@@ -1,0 +1,76 @@
+"""The logprob reducer against a plain log-softmax."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from sluiceway.actors.logprobs import LOGPROB_FLOOR, reduce_prompt, reduce_rows, top_k
+from sluiceway.protocol.messages import LogprobParams
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+finite_rows = arrays(
+    np.float32,
+    st.tuples(st.integers(1, 4), st.integers(2, 40)),
+    elements=st.floats(-30, 30, width=32),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(logits=finite_rows, k=st.integers(0, 20), data=st.data())
+def test_matches_log_softmax(logits: np.ndarray, k: int, data: st.DataObject) -> None:
+    rows, vocab = logits.shape
+    chosen = [data.draw(st.integers(0, vocab - 1)) for _ in range(rows)]
+    asked = [data.draw(st.booleans()) for _ in range(rows)]
+    requested = tuple(data.draw(st.lists(st.integers(0, vocab - 1), max_size=3)))
+    params = [LogprobParams(top=k, token_ids=requested) if a else LogprobParams() for a in asked]
+    result = reduce_rows(logits, chosen, params)
+    reference = log_softmax(logits)
+    for i in range(rows):
+        entry = result[i]
+        if not asked[i]:
+            assert entry is None
+            continue
+        assert entry is not None
+        assert abs(entry.logprob - reference[i, chosen[i]]) < 1e-4
+        assert len(entry.top) == min(k, vocab)
+        values = [v for _, v in entry.top]
+        assert values == sorted(values, reverse=True)
+        for token, value in entry.top:
+            assert abs(value - reference[i, token]) < 1e-4
+        if entry.top:
+            assert abs(entry.top[0][1] - reference[i].max()) < 1e-4
+        assert [t for t, _ in entry.requested] == list(requested)
+
+
+def test_minus_infinity_is_clamped() -> None:
+    logits = np.array([[0.0, -np.inf, 1.0]], dtype=np.float32)
+    (entry,) = reduce_rows(logits, [1], [LogprobParams(top=3)])
+    assert entry is not None
+    assert entry.logprob == LOGPROB_FLOOR
+    assert entry.top[-1] == (1, LOGPROB_FLOOR)
+
+
+def test_ties_break_by_lower_id() -> None:
+    assert top_k(np.array([1.0, 2.0, 2.0, 0.0], dtype=np.float32), 3).tolist() == [1, 2, 0]
+
+
+def test_prompt_logprobs_shift_by_one() -> None:
+    logits = np.random.default_rng(0).normal(size=(4, 9)).astype(np.float32)
+    prompt = [3, 1, 4, 1]
+    entries = reduce_prompt(logits, prompt, top=2)
+    assert entries[0] is None
+    reference = log_softmax(logits)
+    for position in range(1, 4):
+        entry = entries[position]
+        assert entry is not None
+        assert abs(entry.logprob - reference[position - 1, prompt[position]]) < 1e-4
+        assert len(entry.top) == 2

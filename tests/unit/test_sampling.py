@@ -1,0 +1,164 @@
+"""The sampler: greedy, filters, penalties, and seeded reproducibility per row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluiceway.actors.sampling import Sampler
+from sluiceway.protocol.messages import LogprobParams, Row, SamplingParams
+
+
+def row(request_id: str = "r", choice: int = 0, *, first: bool = True, **params: object) -> Row:
+    return Row(
+        request_id=request_id,
+        choice=choice,
+        sampling=SamplingParams(**params),  # type: ignore[arg-type]
+        logprobs=LogprobParams(),
+        prompt_ids=(1, 2, 3),
+        first=first,
+    )
+
+
+def logits_for(rows: int, vocab: int = 50, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(rows, vocab)).astype(np.float32)
+
+
+def draw_sequence(params: dict[str, object], steps: int, *, companions: int = 0) -> list[int]:
+    """Sample ``steps`` tokens for one row, batched with ``companions`` other rows."""
+    sampler = Sampler()
+    tokens = []
+    for step in range(steps):
+        logits = logits_for(1 + companions, seed=step)
+        rows = [row("me", first=step == 0, **params)]
+        rows += [
+            row(f"other{i}", first=step == 0, temperature=1.0, seed=100 + i)
+            for i in range(companions)
+        ]
+        order = list(range(len(rows)))
+        if companions:
+            order = order[1:] + order[:1]  # our row is last in the batch
+        result = sampler.sample(logits[order], [rows[i] for i in order])
+        tokens.append(int(result.token_ids[order.index(0)]))
+    return tokens
+
+
+def test_greedy_is_argmax() -> None:
+    logits = logits_for(3)
+    result = Sampler().sample(logits, [row(f"r{i}", temperature=0.0) for i in range(3)])
+    assert result.token_ids.tolist() == logits.argmax(axis=1).tolist()
+
+
+def test_seeded_rows_reproduce_and_ignore_their_batch() -> None:
+    params: dict[str, object] = {"temperature": 1.0, "seed": 42, "top_p": 0.9}
+    alone = draw_sequence(params, 20)
+    assert draw_sequence(params, 20) == alone
+    assert draw_sequence(params, 20, companions=3) == alone
+    assert draw_sequence({**params, "seed": 43}, 20) != alone
+
+
+def test_choices_of_one_seeded_request_differ() -> None:
+    sampler = Sampler()
+    logits = np.zeros((2, 1000), dtype=np.float32)
+    rows = [row("r", 0, temperature=1.0, seed=1), row("r", 1, temperature=1.0, seed=1)]
+    first, second = sampler.sample(logits, rows).token_ids.tolist()
+    assert first != second
+
+
+@pytest.mark.parametrize("params", [{"top_k": 1}, {"top_p": 0.0}, {"min_p": 1.0}])
+def test_narrowest_filters_are_greedy(params: dict[str, object]) -> None:
+    logits = logits_for(1, vocab=200, seed=3)
+    result = Sampler().sample(logits, [row(temperature=1.5, seed=9, **params)])
+    assert result.token_ids[0] == logits[0].argmax()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    top_k=st.integers(1, 20),
+    top_p=st.floats(0.05, 1.0),
+    min_p=st.floats(0.0, 0.5),
+    seed=st.integers(0, 2**31),
+)
+def test_filters_only_allow_permitted_tokens(
+    top_k: int, top_p: float, min_p: float, seed: int
+) -> None:
+    logits = logits_for(1, vocab=60, seed=seed % 1000)
+    x = logits[0].astype(np.float64)
+    allowed = set(np.argsort(-x, kind="stable")[:top_k].tolist())
+    sampler = Sampler()
+    for step in range(5):
+        result = sampler.sample(
+            logits,
+            [
+                row(
+                    first=step == 0,
+                    temperature=1.0,
+                    top_k=top_k,
+                    top_p=top_p,
+                    min_p=min_p,
+                    seed=seed,
+                )
+            ],
+            keep_processed=True,
+        )
+        token = int(result.token_ids[0])
+        assert token in allowed
+        probs = np.exp(x - x.max())
+        assert probs[token] >= min_p - 1e-6
+        assert result.processed is not None
+        assert np.isfinite(result.processed[0, token])
+
+
+def test_sampling_follows_the_distribution() -> None:
+    logits = np.log(np.array([[0.5, 0.3, 0.2]], dtype=np.float32))
+    sampler = Sampler()
+    counts = np.zeros(3)
+    for step in range(3000):
+        result = sampler.sample(logits, [row(first=step == 0, temperature=1.0, seed=5)])
+        counts[int(result.token_ids[0])] += 1
+    assert np.allclose(counts / counts.sum(), [0.5, 0.3, 0.2], atol=0.03)
+
+
+def test_logit_bias_and_suppression() -> None:
+    logits = np.zeros((1, 10), dtype=np.float32)
+    logits[0, 3] = 5.0
+    biased = Sampler().sample(logits, [row(temperature=0.0, logit_bias=((7, 100.0),))])
+    assert biased.token_ids[0] == 7
+    suppressed_row = Row(
+        request_id="r",
+        choice=0,
+        sampling=SamplingParams(temperature=0.0),
+        logprobs=LogprobParams(),
+        prompt_ids=(),
+        first=True,
+        suppress=(3,),
+    )
+    assert Sampler().sample(logits, [suppressed_row]).token_ids[0] != 3
+
+
+def test_penalties_discourage_repeats() -> None:
+    logits = np.zeros((1, 5), dtype=np.float32)
+    logits[0, 0] = 1.0
+    sampler = Sampler()
+    first = sampler.sample(logits, [row(temperature=0.0, frequency_penalty=2.0)])
+    second = sampler.sample(logits, [row(first=False, temperature=0.0, frequency_penalty=2.0)])
+    assert first.token_ids[0] == 0
+    assert second.token_ids[0] != 0
+
+
+def test_repetition_penalty_covers_the_prompt() -> None:
+    logits = np.zeros((1, 6), dtype=np.float32)
+    logits[0, 2] = 1.0  # token 2 is in the prompt (1, 2, 3)
+    logits[0, 5] = 0.6
+    result = Sampler().sample(logits, [row(temperature=0.0, repetition_penalty=2.0)])
+    assert result.token_ids[0] == 5
+
+
+def test_finished_rows_are_forgotten() -> None:
+    sampler = Sampler()
+    sampler.sample(logits_for(2), [row("a"), row("b")])
+    assert len(sampler) == 2
+    sampler.sample(logits_for(1), [row("a", first=False)])
+    assert len(sampler) == 1
