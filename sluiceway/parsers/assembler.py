@@ -42,7 +42,13 @@ class ToolFragment:
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """One delta for one choice, with the token indices whose entries it carries."""
+    """One delta for one choice, with the token indices whose entries it carries.
+
+    ``content_offsets[i]`` is where ``content_tokens[i]`` sits in this chunk's
+    content: the offset of its first character, or -- for a markup token --
+    of the first character of a later token (the end if there is none). The
+    legacy completions API reports these as ``text_offset``.
+    """
 
     reasoning: str = ""
     content: str = ""
@@ -50,6 +56,7 @@ class Chunk:
     reasoning_tokens: tuple[int, ...] = ()
     content_tokens: tuple[int, ...] = ()
     tool_call_tokens: tuple[int, ...] = ()
+    content_offsets: tuple[int, ...] = ()
 
     def tokens(self, channel: Channel) -> tuple[int, ...]:
         if channel is Channel.REASONING:
@@ -80,6 +87,28 @@ class _ChunkBuilder:
         default_factory=lambda: {channel: [] for channel in VISIBLE_CHANNELS}
     )
     fragments: list[ToolFragment] = field(default_factory=list)
+    #: (owner, offset) of each content span, in order.
+    content_starts: list[tuple[int, int]] = field(default_factory=list)
+    content_length: int = 0
+
+    def add_text(self, channel: Channel, token: int, text: str) -> None:
+        if channel is Channel.CONTENT:
+            self.content_starts.append((token, self.content_length))
+            self.content_length += len(text)
+        self.text[channel].append(text)
+
+    def _content_offsets(self, tokens: list[int]) -> tuple[int, ...]:
+        first: dict[int, int] = {}
+        for owner, offset in self.content_starts:
+            first.setdefault(owner, offset)
+        offsets = []
+        for token in tokens:
+            if token in first:
+                offsets.append(first[token])
+            else:
+                later = (offset for owner, offset in self.content_starts if owner > token)
+                offsets.append(next(later, self.content_length))
+        return tuple(offsets)
 
     def has_header(self, tool_index: int) -> bool:
         return any(f.index == tool_index and f.name is not None for f in self.fragments)
@@ -97,13 +126,15 @@ class _ChunkBuilder:
             self.fragments.append(ToolFragment(tool_index, None, text))
 
     def build(self) -> Chunk:
+        content_tokens = sorted(self.tokens[Channel.CONTENT])
         return Chunk(
             reasoning="".join(self.text[Channel.REASONING]),
             content="".join(self.text[Channel.CONTENT]),
             tool_calls=tuple(self.fragments),
             reasoning_tokens=tuple(sorted(self.tokens[Channel.REASONING])),
-            content_tokens=tuple(sorted(self.tokens[Channel.CONTENT])),
+            content_tokens=tuple(content_tokens),
             tool_call_tokens=tuple(sorted(self.tokens[Channel.TOOL_CALL])),
+            content_offsets=self._content_offsets(content_tokens),
         )
 
 
@@ -121,7 +152,7 @@ class ChunkAssembler:
         self._markup: dict[int, Channel] = {}
         self._open: dict[int, Channel] = {}
         self._pending: dict[Channel, list[int]] = {channel: [] for channel in VISIBLE_CHANNELS}
-        self.counts: dict[Channel, int] = {channel: 0 for channel in VISIBLE_CHANNELS}
+        self.counts: dict[Channel, int] = dict.fromkeys(VISIBLE_CHANNELS, 0)
 
     def register(self, token: int, open_channel: Channel) -> None:
         """Note a fed token and the channel open when it was fed."""
@@ -169,7 +200,7 @@ class ChunkAssembler:
                 builders.append(builder)
             builder.add_arguments(span.tool_index, span.text)
         else:
-            builder.text[span.channel].append(span.text)
+            builder.add_text(span.channel, span.token, span.text)
         self._claim(builder, span.token, span.channel)
 
     def _claim(self, builder: _ChunkBuilder, token: int, channel: Channel) -> None:
