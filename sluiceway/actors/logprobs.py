@@ -73,6 +73,26 @@ def reduce_rows(
     return result
 
 
+def reduce_targets(logits: FloatArray, targets: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Logprob of ``targets[i]`` under ``logits[i]`` (plus the top ``top``),
+    for as many rows as there are targets."""
+    rows = logits[: len(targets)]
+    if not len(targets):
+        return []
+    normaliser = log_normaliser(rows)
+    entries = []
+    for position, target in enumerate(targets):
+        row = rows[position]
+        base = float(normaliser[position])
+        entries.append(
+            TokenLogprob(
+                logprob=_finite(float(row[int(target)]) - base),
+                top=tuple((int(t), _finite(float(row[t]) - base)) for t in top_k(row, top)),
+            )
+        )
+    return entries
+
+
 def reduce_prompt(
     logits: FloatArray, prompt_ids: Sequence[int], top: int
 ) -> tuple[TokenLogprob | None, ...]:
@@ -81,19 +101,4 @@ def reduce_prompt(
     ``logits[i]`` is the distribution after prompt position ``i``; the first
     prompt token has no distribution, hence ``None``.
     """
-    entries: list[TokenLogprob | None] = [None]
-    if len(prompt_ids) < 2:
-        return tuple(entries)
-    rows = logits[: len(prompt_ids) - 1]
-    normaliser = log_normaliser(rows)
-    for position in range(rows.shape[0]):
-        row = rows[position]
-        base = float(normaliser[position])
-        actual = int(prompt_ids[position + 1])
-        entries.append(
-            TokenLogprob(
-                logprob=_finite(float(row[actual]) - base),
-                top=tuple((int(t), _finite(float(row[t]) - base)) for t in top_k(row, top)),
-            )
-        )
-    return tuple(entries)
+    return (None, *reduce_targets(logits, prompt_ids[1:], top))

@@ -52,6 +52,9 @@ class OutputConfig:
     request_id: str
     n: int
     prompt_ids: tuple[int, ...]
+    #: Index of this request's first choice in the reply (several prompts of a
+    #: legacy completions request share one reply).
+    index_offset: int = 0
     table: TokenTable
     make_pipeline: Callable[[], ChoicePipeline]
     logprobs: bool
@@ -158,10 +161,16 @@ class ChoiceOutput:
             self.called_tools = True
         logprobs = None
         if self.with_logprobs:
+            content = [
+                (self.waiting.pop(t), offset)
+                for t, offset in zip(chunk.content_tokens, chunk.content_offsets, strict=True)
+                if t in self.waiting
+            ]
             logprobs = ChoiceLogprobs(
-                content=self._entries(chunk.content_tokens),
+                content=tuple(entry for entry, _ in content),
                 reasoning=self._entries(chunk.reasoning_tokens),
                 tool_calls=self._entries(chunk.tool_call_tokens),
+                content_offsets=tuple(offset for _, offset in content),
             )
         return ChoiceDelta(
             index=self.index,
@@ -184,7 +193,7 @@ async def run(
     entries = EntryFactory(config.table, config.tokens_as_ids)
     choices = [
         ChoiceOutput(
-            index=i,
+            index=config.index_offset + i,
             pipeline=config.make_pipeline(),
             entries=entries,
             with_logprobs=config.logprobs,
@@ -229,5 +238,7 @@ def _prompt_logprobs(
         entries=tuple(
             None if score is None else entries.entry(token_id, score)
             for token_id, score in zip(config.prompt_ids, scores.entries, strict=True)
-        )
+        ),
+        first_index=config.index_offset,
+        n=config.n,
     )

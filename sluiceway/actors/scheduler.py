@@ -28,6 +28,7 @@ import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from sluiceway.actors.logprobs import reduce_targets
 from sluiceway.engines.base import DecodeResult, Engine
 from sluiceway.protocol.errors import Overloaded
 from sluiceway.protocol.messages import (
@@ -36,6 +37,7 @@ from sluiceway.protocol.messages import (
     FinishChoice,
     GenerationRequest,
     LogitsStep,
+    PromptScores,
     RequestFailed,
     RequestOutput,
     Row,
@@ -43,12 +45,16 @@ from sluiceway.protocol.messages import (
     SchedulerCommand,
     StepOutput,
     Submit,
+    TokenLogprob,
     TokenSample,
 )
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: Prompt positions whose full logits are held at once while scoring a prompt.
+PROMPT_SCORING_CHUNK = 256
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -230,11 +236,15 @@ class Scheduler:
         spec = request.spec
         slots = [self._new_slot() for _ in range(spec.n)]
         try:
-            logits = await self._engine_call(self._prefill, slots, spec.prompt_ids)
+            logits, scores = await self._engine_call(
+                self._prefill, slots, spec.prompt_ids, spec.logprobs.prompt_top
+            )
         except Exception as error:
             logger.exception("prefill failed")
             self._fail(request, f"prefill failed: {error}")
             return []
+        if scores is not None:
+            self._deliver(request, PromptScores(entries=scores))
         admitted = []
         for index, slot in enumerate(slots):
             choice = _Choice(request=request, index=index, slot=slot)
@@ -344,10 +354,33 @@ class Scheduler:
         self._flush_frees()
         return self._engine.decode(tokens)
 
-    def _prefill(self, slots: Iterable[int], prompt_ids: tuple[int, ...]) -> np.ndarray:
+    def _prefill(
+        self, slots: Iterable[int], prompt_ids: tuple[int, ...], prompt_top: int | None
+    ) -> tuple[np.ndarray, tuple[TokenLogprob | None, ...] | None]:
         self._flush_frees()
         first, *others = slots
-        logits = self._engine.prefill(first, prompt_ids)
+        scores = None
+        if prompt_top is None:
+            logits = self._engine.prefill(first, prompt_ids)
+        else:
+            logits, scores = self._prefill_scoring(first, prompt_ids, prompt_top)
         for slot in others:
             self._engine.fork(first, slot)
-        return logits
+        return logits, scores
+
+    def _prefill_scoring(
+        self, slot: int, prompt_ids: tuple[int, ...], top: int
+    ) -> tuple[np.ndarray, tuple[TokenLogprob | None, ...]]:
+        """Prefill in pieces, reducing each piece's logits at once: a long
+        prompt's full-vocabulary logits are never all held together."""
+        entries: list[TokenLogprob | None] = [None]
+        logits = None
+        for start in range(0, len(prompt_ids), PROMPT_SCORING_CHUNK):
+            piece = prompt_ids[start : start + PROMPT_SCORING_CHUNK]
+            every = self._engine.prefill(slot, piece, all_logits=True)
+            targets = prompt_ids[start + 1 : start + 1 + len(piece)]
+            entries += reduce_targets(every, targets, top)
+            logits = every[-1:].copy()
+            del every
+        assert logits is not None
+        return logits, tuple(entries)

@@ -202,6 +202,8 @@ class ChatChunk(WireModel):
     system_fingerprint: str | None = None
     choices: list[ChunkChoiceWire]
     usage: UsageWire | None = None
+    #: Extension (``prompt_logprobs``): the prompt tokens' entries, the first null.
+    prompt_logprobs: list[TokenLogprobWire | None] | None = None
 
 
 class ToolCallMessageWire(WireModel):
@@ -235,3 +237,5 @@ class ChatCompletion(WireModel):
     system_fingerprint: str | None = None
     choices: list[ChatChoiceWire]
     usage: UsageWire
+    #: Extension (``prompt_logprobs``): the prompt tokens' entries, the first null.
+    prompt_logprobs: list[TokenLogprobWire | None] | None = None

@@ -236,6 +236,8 @@ class ChoiceLogprobs:
     content: tuple[LogprobEntry, ...] = ()
     reasoning: tuple[LogprobEntry, ...] = ()
     tool_calls: tuple[LogprobEntry, ...] = ()
+    #: Where each content entry's token sits in the delta's content.
+    content_offsets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -264,9 +266,12 @@ class Usage:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PromptLogprobs:
-    """Prompt-token entries for ``echo`` and ``prompt_logprobs``."""
+    """Prompt-token entries for ``echo`` and ``prompt_logprobs``, for the
+    choices ``first_index .. first_index + n - 1`` (one prompt's choices)."""
 
     entries: tuple[LogprobEntry | None, ...]
+    first_index: int = 0
+    n: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

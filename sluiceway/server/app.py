@@ -14,7 +14,7 @@ import anyio
 from sluiceway.actors.scheduler import SchedulerConfig, SchedulerHandle
 from sluiceway.protocol.errors import AuthenticationFailed, ClientError, NotFound
 from sluiceway.server.config import ServerConfig
-from sluiceway.server.handlers import chat, info
+from sluiceway.server.handlers import chat, completions, info
 from sluiceway.server.http import (
     ClientDisconnected,
     Message,
@@ -98,6 +98,7 @@ class SluicewayApp:
                 "/v1/models": {"GET": bind(info.models)},
                 "/v1/models/{model}": {"GET": bind(info.model)},
                 "/v1/chat/completions": {"POST": bind(chat.handle)},
+                "/v1/completions": {"POST": bind(completions.handle)},
             }
         )
 

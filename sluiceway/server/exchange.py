@@ -1,20 +1,24 @@
-"""Running one generation request against the pipeline, for one HTTP exchange.
+"""Running generation requests against the pipeline, for one HTTP exchange.
 
-The request gets its own task group: the output actor, the emitter, and a
-watcher that awaits ``http.disconnect`` (under Hypercorn's trio worker a
+An exchange has one job per prompt (chat: always one; legacy completions: one
+per prompt in the list), each with its own output actor, all feeding one
+emitter. The exchange gets its own task group: the output actors, the emitter,
+and a watcher that awaits ``http.disconnect`` (under Hypercorn's trio worker a
 disconnect only reaches an app with a task awaiting ``receive()``). Whichever
 ends first -- the reply or the client -- cancels the rest, and the scheduler is
-told to drop the request, which frees its slots within one step.
+told to drop the requests, which frees their slots within one step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import anyio
 from anyio import CancelScope
-from anyio.streams.memory import MemoryObjectSendStream
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from sluiceway.actors import output
 from sluiceway.actors.emitters.common import StreamEncoder, stream
@@ -31,6 +35,12 @@ class Submitter(ChoiceFinisher, Protocol):
     def cancel(self, request_id: str) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Job:
+    request: GenerationRequest
+    output: OutputConfig
+
+
 async def _cancel_on_disconnect(receive: Receive, scope: CancelScope) -> None:
     while True:
         message = await receive()
@@ -39,30 +49,60 @@ async def _cancel_on_disconnect(receive: Receive, scope: CancelScope) -> None:
             return
 
 
-def _token_buffer(request: GenerationRequest) -> int:
-    # One message per step at most: the scheduler never blocks on a slow client,
-    # and this is still a bound (the request cannot produce more).
-    return request.limits.max_tokens + 2
+def _submit_all(
+    scheduler: Submitter, jobs: Sequence[Job]
+) -> list[MemoryObjectReceiveStream[RequestOutput]]:
+    """Submit every job, or none: a refusal (queue full) cancels the others."""
+    streams = []
+    try:
+        for job in jobs:
+            # One message per step at most, so this bound is never reached: the
+            # scheduler never blocks on a slow client.
+            send, receive = anyio.create_memory_object_stream[RequestOutput](
+                job.request.limits.max_tokens + 2
+            )
+            streams.append(receive)
+            scheduler.submit(job.request, send)
+    except BaseException:
+        for job in jobs:
+            scheduler.cancel(job.request.request_id)
+        for receive in streams:
+            receive.close()
+        raise
+    return streams
+
+
+def _start_outputs(
+    group: TaskGroup,
+    scheduler: Submitter,
+    jobs: Sequence[Job],
+    streams: Sequence[MemoryObjectReceiveStream[RequestOutput]],
+    events: MemoryObjectSendStream[EmitterEvent],
+) -> None:
+    with events:
+        for job, tokens in zip(jobs, streams, strict=True):
+            group.start_soon(output.run, tokens, events.clone(), scheduler, job.output)
+
+
+def _cancel_jobs(scheduler: Submitter, jobs: Sequence[Job]) -> None:
+    for job in jobs:
+        scheduler.cancel(job.request.request_id)
 
 
 async def stream_reply(
     receive: Receive,
     send: Send,
     scheduler: Submitter,
-    request: GenerationRequest,
-    config: OutputConfig,
+    jobs: Sequence[Job],
     encoder: StreamEncoder,
 ) -> None:
-    """Submit ``request`` and stream its SSE frames until done or disconnected."""
-    tokens_send, tokens_receive = anyio.create_memory_object_stream[RequestOutput](
-        _token_buffer(request)
-    )
+    """Submit the jobs and stream their SSE frames until done or disconnected."""
+    streams = _submit_all(scheduler, jobs)
     events_send, events_receive = anyio.create_memory_object_stream[EmitterEvent](4)
     frames_send, frames_receive = anyio.create_memory_object_stream[bytes](4)
     try:
-        scheduler.submit(request, tokens_send)
         async with anyio.create_task_group() as group:
-            group.start_soon(output.run, tokens_receive, events_send, scheduler, config)
+            _start_outputs(group, scheduler, jobs, streams, events_send)
             group.start_soon(stream, events_receive, frames_send, encoder)
             group.start_soon(_cancel_on_disconnect, receive, group.cancel_scope)
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
@@ -72,33 +112,25 @@ async def stream_reply(
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             group.cancel_scope.cancel()
     finally:
-        scheduler.cancel(request.request_id)
-        for end in (tokens_send, tokens_receive, events_send, events_receive):
-            end.close()
-        frames_send.close()
-        frames_receive.close()
+        _cancel_jobs(scheduler, jobs)
 
 
 async def collect_reply(
     receive: Receive,
     scheduler: Submitter,
-    request: GenerationRequest,
-    config: OutputConfig,
+    jobs: Sequence[Job],
     collect: Callable[[EmitterEvent], None],
 ) -> bool:
-    """Submit ``request`` and hand every event to ``collect``.
+    """Submit the jobs and hand every event to ``collect``.
 
     Returns False when the client disconnected first.
     """
-    tokens_send, tokens_receive = anyio.create_memory_object_stream[RequestOutput](
-        _token_buffer(request)
-    )
+    streams = _submit_all(scheduler, jobs)
     events_send, events_receive = anyio.create_memory_object_stream[EmitterEvent](4)
     finished = False
     try:
-        scheduler.submit(request, tokens_send)
         async with anyio.create_task_group() as group:
-            group.start_soon(output.run, tokens_receive, events_send, scheduler, config)
+            _start_outputs(group, scheduler, jobs, streams, events_send)
             group.start_soon(_cancel_on_disconnect, receive, group.cancel_scope)
             async with events_receive:
                 async for event in events_receive:
@@ -106,7 +138,5 @@ async def collect_reply(
             finished = True
             group.cancel_scope.cancel()
     finally:
-        scheduler.cancel(request.request_id)
-        for end in (tokens_send, tokens_receive, events_send, events_receive):
-            end.close()
+        _cancel_jobs(scheduler, jobs)
     return finished

@@ -6,7 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sluiceway.actors.emitters.common import DONE, entries_wire, error_frame, sse, usage_wire
+from sluiceway.actors.emitters.common import (
+    DONE,
+    entries_wire,
+    error_frame,
+    prompt_entries_wire,
+    sse,
+    usage_wire,
+)
 from sluiceway.protocol.chat import (
     AssistantMessageWire,
     ChatChoiceWire,
@@ -30,7 +37,7 @@ from sluiceway.protocol.messages import (
     PromptLogprobs,
     Usage,
 )
-from sluiceway.protocol.wire import UsageWire
+from sluiceway.protocol.wire import TokenLogprobWire, UsageWire
 
 ReasoningField = Literal["reasoning_content", "reasoning", "both"]
 
@@ -42,6 +49,7 @@ class ChatReplyConfig:
     model: str
     n: int
     logprobs: bool
+    prompt_logprobs: int | None = None
     include_usage: bool = False
     reasoning_field: ReasoningField = "reasoning_content"
 
@@ -50,6 +58,10 @@ def _reasoning_fields(text: str | None, field_name: ReasoningField) -> dict[str,
     if field_name == "both":
         return {"reasoning_content": text, "reasoning": text}
     return {field_name: text}
+
+
+def _prompt_wire(event: PromptLogprobs, top: int) -> list[TokenLogprobWire | None]:
+    return prompt_entries_wire(event.entries, top)
 
 
 def _logprobs_wire(logprobs: ChoiceLogprobs) -> ChoiceLogprobsWire:
@@ -89,8 +101,7 @@ class ChatStreamEncoder:
 
     def __init__(self, config: ChatReplyConfig) -> None:
         self._config = config
-        self._completion_tokens = [0] * config.n
-        self._prompt_tokens = 0
+        self._prompt_logprobs: list[TokenLogprobWire | None] | None = None
 
     def _chunk(self, choices: list[ChunkChoiceWire], usage: UsageWire | None = None) -> bytes:
         chunk = ChatChunk(
@@ -101,6 +112,8 @@ class ChatStreamEncoder:
         )
         if self._config.include_usage:
             chunk.usage = usage
+        if self._prompt_logprobs is not None and choices:
+            chunk.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
         return sse(chunk.to_json())
 
     def start(self) -> bytes:
@@ -128,7 +141,10 @@ class ChatStreamEncoder:
             return tail + DONE
         if isinstance(event, Failed):
             return error_frame(event.message) + DONE
-        return b""  # prompt logprobs have no place in a chat stream
+        if isinstance(event, PromptLogprobs) and self._config.prompt_logprobs is not None:
+            # Travels on the next chunk that carries a choice.
+            self._prompt_logprobs = _prompt_wire(event, self._config.prompt_logprobs)
+        return b""
 
     def _delta_frame(self, delta: ChoiceDelta) -> bytes:
         choice = ChunkChoiceWire(
@@ -200,13 +216,18 @@ class ChatAccumulator:
 
     def build(self) -> ChatCompletion:
         assert self.usage is not None, "build() before the request completed"
-        return ChatCompletion(
+        completion = ChatCompletion(
             id=self._config.completion_id,
             created=self._config.created,
             model=self._config.model,
             choices=[self._choice(i, totals) for i, totals in enumerate(self._choices)],
             usage=usage_wire(self.usage),
         )
+        if self._config.prompt_logprobs is not None and self.prompt_logprobs is not None:
+            completion.prompt_logprobs = _prompt_wire(
+                self.prompt_logprobs, self._config.prompt_logprobs
+            )
+        return completion
 
     def _choice(self, index: int, totals: _ChoiceTotals) -> ChatChoiceWire:
         calls = [

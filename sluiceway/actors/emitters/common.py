@@ -55,6 +55,21 @@ def entries_wire(entries: Iterable[LogprobEntry]) -> list[TokenLogprobWire]:
     return [entry_wire(entry) for entry in entries]
 
 
+def prompt_entries_wire(
+    entries: Iterable[LogprobEntry | None], top: int
+) -> list[TokenLogprobWire | None]:
+    """Prompt entries (the first is null), each cut to its ``top`` alternatives."""
+    wires: list[TokenLogprobWire | None] = []
+    for entry in entries:
+        if entry is None:
+            wires.append(None)
+            continue
+        wire = entry_wire(entry)
+        wire.top_logprobs = wire.top_logprobs[:top]
+        wires.append(wire)
+    return wires
+
+
 def error_frame(message: str) -> bytes:
     body = ErrorBody(error=ErrorDetail(message=message, type="server_error", param=None, code=None))
     return sse(body.to_json())

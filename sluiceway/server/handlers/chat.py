@@ -8,14 +8,14 @@ from typing import Any
 import anyio
 
 from sluiceway.actors.emitters.chat import ChatAccumulator, ChatReplyConfig, ChatStreamEncoder
-from sluiceway.actors.output import OutputConfig
 from sluiceway.engines.tokenizer import ChatRender
 from sluiceway.parsers.pipeline import ChoicePipeline
 from sluiceway.protocol.chat import ChatRequest
 from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.protocol.messages import GenerationRequest
 from sluiceway.server import validation
-from sluiceway.server.exchange import collect_reply, stream_reply
+from sluiceway.server.exchange import Job, collect_reply, stream_reply
+from sluiceway.server.handlers.common import output_config
 from sluiceway.server.http import Receive, Scope, Send, parse_json, read_body, send_json_text
 from sluiceway.server.state import ServerState, new_id
 
@@ -97,35 +97,23 @@ async def handle(state: ServerState, scope: Scope, receive: Receive, send: Send)
         ),
     )
     table = state.model.tokenizer.table
-    output_config = OutputConfig(
-        request_id=generation.request_id,
-        n=request.n,
-        prompt_ids=generation.prompt_ids,
-        table=table,
-        make_pipeline=lambda: ChoicePipeline(table),
-        logprobs=per_token,
-        tokens_as_ids=bool(
-            state.config.return_tokens_as_token_ids or request.return_tokens_as_token_ids
-        ),
-        include_stop_token_text=request.include_stop_str_in_output,
-    )
+    config = output_config(state, generation, request, make_pipeline=lambda: ChoicePipeline(table))
     reply = ChatReplyConfig(
         completion_id=generation.request_id,
         created=int(time.time()),
         model=state.model_name,
         n=request.n,
         logprobs=per_token,
+        prompt_logprobs=request.prompt_logprobs,
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         reasoning_field=state.config.reasoning_field,
     )
+    jobs = [Job(generation, config)]
     if request.stream:
-        encoder = ChatStreamEncoder(reply)
-        await stream_reply(receive, send, state.scheduler, generation, output_config, encoder)
+        await stream_reply(receive, send, state.scheduler, jobs, ChatStreamEncoder(reply))
         return
     accumulator = ChatAccumulator(reply)
-    if not await collect_reply(
-        receive, state.scheduler, generation, output_config, accumulator.add
-    ):
+    if not await collect_reply(receive, state.scheduler, jobs, accumulator.add):
         return  # the client is gone; nobody to answer
     if accumulator.failure is not None:
         raise RuntimeError(accumulator.failure)

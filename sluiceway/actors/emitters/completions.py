@@ -1,0 +1,277 @@
+"""The legacy completions emitter: output events to ``text_completion``
+chunks, or to one ``text_completion`` body.
+
+Both shapes come from one place: :class:`CompletionFragments` turns events
+into per-choice fragments; streaming sends each as a chunk, and the whole
+reply is the fragments merged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sluiceway.actors.emitters.common import (
+    DONE,
+    error_frame,
+    prompt_entries_wire,
+    sse,
+    usage_wire,
+)
+from sluiceway.protocol.completions import Completion, CompletionChoiceWire, CompletionLogprobsWire
+from sluiceway.protocol.messages import (
+    ChoiceDelta,
+    Completed,
+    Deltas,
+    EmitterEvent,
+    Failed,
+    LogprobEntry,
+    PromptLogprobs,
+    Usage,
+)
+from sluiceway.protocol.wire import TokenLogprobWire
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Echo:
+    """A prompt as ``echo`` repeats it: text, token strings, token offsets."""
+
+    text: str
+    tokens: tuple[str, ...]
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompletionReplyConfig:
+    completion_id: str
+    created: int
+    model: str
+    n: int
+    jobs: int
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    echoes: tuple[Echo, ...] | None = None
+    include_usage: bool = False
+
+
+def _logprobs(
+    entries: tuple[LogprobEntry | None, ...], tokens: list[str], offsets: list[int], k: int
+) -> CompletionLogprobsWire:
+    return CompletionLogprobsWire(
+        tokens=tokens,
+        token_logprobs=[None if e is None else e.logprob for e in entries],
+        top_logprobs=[
+            None if e is None else {t.token: t.logprob for t in e.top_logprobs[:k]} for e in entries
+        ],
+        text_offset=offsets,
+    )
+
+
+class CompletionFragments:
+    """Events -> per-choice fragments, tracking each choice's text offset."""
+
+    def __init__(self, config: CompletionReplyConfig) -> None:
+        self.config = config
+        total = config.n * config.jobs
+        self._emitted = [0] * total
+        self._waiting_prompt: dict[int, list[TokenLogprobWire | None]] = {}
+        self._completed = 0
+        self._usage = Usage(prompt_tokens=0, completion_tokens=0)
+        self.failure: str | None = None
+
+    def opening(self) -> list[CompletionChoiceWire]:
+        """Echoed prompts that need no logprobs go out first."""
+        echoes = self.config.echoes
+        if echoes is None or self.config.logprobs is not None:
+            return []
+        fragments = []
+        for index in range(self.config.n * self.config.jobs):
+            echo = echoes[index // self.config.n]
+            self._emitted[index] = len(echo.text)
+            fragments.append(
+                CompletionChoiceWire(index=index, text=echo.text, logprobs=None, finish_reason=None)
+            )
+        return fragments
+
+    def fragments(self, event: EmitterEvent) -> list[CompletionChoiceWire]:
+        if isinstance(event, Deltas):
+            return [self._delta(delta) for delta in event.deltas]
+        if isinstance(event, PromptLogprobs):
+            return self._prompt(event)
+        if isinstance(event, Completed):
+            self._completed += 1
+            self._usage = Usage(
+                prompt_tokens=self._usage.prompt_tokens + event.usage.prompt_tokens,
+                completion_tokens=self._usage.completion_tokens + event.usage.completion_tokens,
+                reasoning_tokens=self._usage.reasoning_tokens + event.usage.reasoning_tokens,
+            )
+        elif isinstance(event, Failed):
+            self.failure = event.message
+        return []
+
+    @property
+    def usage(self) -> Usage | None:
+        """The summed usage, once every prompt's request has completed."""
+        return self._usage if self._completed == self.config.jobs else None
+
+    def _prompt(self, event: PromptLogprobs) -> list[CompletionChoiceWire]:
+        config = self.config
+        prompt_wire = None
+        if config.prompt_logprobs is not None:
+            prompt_wire = prompt_entries_wire(event.entries, config.prompt_logprobs)
+        fragments = []
+        for index in range(event.first_index, event.first_index + event.n):
+            if config.echoes is None:
+                if prompt_wire is not None:
+                    self._waiting_prompt[index] = prompt_wire
+                continue
+            echo = config.echoes[index // config.n]
+            self._emitted[index] = len(echo.text)
+            fragment = CompletionChoiceWire(
+                index=index, text=echo.text, logprobs=None, finish_reason=None
+            )
+            if config.logprobs is not None:
+                fragment.logprobs = _logprobs(
+                    event.entries, list(echo.tokens), list(echo.offsets), config.logprobs
+                )
+            if prompt_wire is not None:
+                fragment.prompt_logprobs = prompt_wire
+            fragments.append(fragment)
+        return fragments
+
+    def _delta(self, delta: ChoiceDelta) -> CompletionChoiceWire:
+        fragment = CompletionChoiceWire(
+            index=delta.index,
+            text=delta.content,
+            logprobs=None,
+            finish_reason=delta.finish_reason,
+        )
+        k = self.config.logprobs
+        if k is not None and delta.logprobs is not None:
+            base = self._emitted[delta.index]
+            content = delta.logprobs.content
+            fragment.logprobs = _logprobs(
+                content,
+                [entry.token for entry in content],
+                [base + offset for offset in delta.logprobs.content_offsets],
+                k,
+            )
+        self._emitted[delta.index] += len(delta.content)
+        if delta.finish_reason is not None:
+            fragment.matched_stop = delta.matched_stop
+        waiting = self._waiting_prompt.pop(delta.index, None)
+        if waiting is not None:
+            fragment.prompt_logprobs = waiting
+        return fragment
+
+
+class CompletionStreamEncoder:
+    def __init__(self, config: CompletionReplyConfig) -> None:
+        self._fragments = CompletionFragments(config)
+        self._config = config
+
+    def _chunk(self, fragment: CompletionChoiceWire) -> bytes:
+        chunk = Completion(
+            id=self._config.completion_id,
+            created=self._config.created,
+            model=self._config.model,
+            choices=[fragment],
+        )
+        if self._config.include_usage:
+            chunk.usage = None
+        return sse(chunk.to_json())
+
+    def start(self) -> bytes:
+        return b"".join(self._chunk(f) for f in self._fragments.opening())
+
+    def encode(self, event: EmitterEvent) -> bytes:
+        frames = b"".join(self._chunk(f) for f in self._fragments.fragments(event))
+        if isinstance(event, Failed):
+            return frames + error_frame(event.message) + DONE
+        usage = self._fragments.usage
+        if isinstance(event, Completed) and usage is not None:
+            if self._config.include_usage:
+                tail = Completion(
+                    id=self._config.completion_id,
+                    created=self._config.created,
+                    model=self._config.model,
+                    choices=[],
+                    usage=usage_wire(usage),
+                )
+                frames += sse(tail.to_json())
+            frames += DONE
+        return frames
+
+
+@dataclass(slots=True)
+class _Merged:
+    text: list[str] = field(default_factory=list)
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+    finish_reason: str = "stop"
+    matched_stop: str | int | None = None
+    prompt_logprobs: list[TokenLogprobWire | None] | None = None
+
+    def add(self, fragment: CompletionChoiceWire) -> None:
+        self.text.append(fragment.text)
+        if fragment.logprobs is not None:
+            self.tokens += fragment.logprobs.tokens
+            self.token_logprobs += fragment.logprobs.token_logprobs
+            self.top_logprobs += fragment.logprobs.top_logprobs
+            self.text_offset += fragment.logprobs.text_offset
+        if fragment.finish_reason is not None:
+            self.finish_reason = fragment.finish_reason
+            self.matched_stop = fragment.matched_stop
+        if fragment.prompt_logprobs is not None:
+            self.prompt_logprobs = fragment.prompt_logprobs
+
+
+class CompletionAccumulator:
+    """Events -> one ``text_completion`` (non-streaming)."""
+
+    def __init__(self, config: CompletionReplyConfig) -> None:
+        self._config = config
+        self._fragments = CompletionFragments(config)
+        self._choices = [_Merged() for _ in range(config.n * config.jobs)]
+        for fragment in self._fragments.opening():
+            self._choices[fragment.index].add(fragment)
+
+    @property
+    def failure(self) -> str | None:
+        return self._fragments.failure
+
+    def add(self, event: EmitterEvent) -> None:
+        for fragment in self._fragments.fragments(event):
+            self._choices[fragment.index].add(fragment)
+
+    def build(self) -> Completion:
+        usage = self._fragments.usage
+        assert usage is not None, "build() before every request completed"
+        return Completion(
+            id=self._config.completion_id,
+            created=self._config.created,
+            model=self._config.model,
+            choices=[self._choice(index, merged) for index, merged in enumerate(self._choices)],
+            usage=usage_wire(usage),
+        )
+
+    def _choice(self, index: int, merged: _Merged) -> CompletionChoiceWire:
+        logprobs = None
+        if self._config.logprobs is not None:
+            logprobs = CompletionLogprobsWire(
+                tokens=merged.tokens,
+                token_logprobs=merged.token_logprobs,
+                top_logprobs=merged.top_logprobs,
+                text_offset=merged.text_offset,
+            )
+        choice = CompletionChoiceWire(
+            index=index,
+            text="".join(merged.text),
+            logprobs=logprobs,
+            finish_reason=merged.finish_reason,
+            matched_stop=merged.matched_stop,
+        )
+        if self._config.prompt_logprobs is not None:
+            choice.prompt_logprobs = merged.prompt_logprobs
+        return choice
