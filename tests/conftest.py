@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from sluiceway.engines.default_model import default_model_dir
+from tests.fixtures.scripted_model import EXAMPLE_SCRIPTS, ScriptedModel, build_scripted_model
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -19,3 +20,9 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 def default_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded default model, built into a session-private cache."""
     return default_model_dir(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def scripted(tmp_path_factory: pytest.TempPathFactory) -> ScriptedModel:
+    """A real Qwen3 model whose greedy decoding follows the example scripts."""
+    return build_scripted_model(tmp_path_factory.mktemp("scripted"), EXAMPLE_SCRIPTS)

@@ -25,6 +25,8 @@ class CompletionLogprobsWire(WireModel):
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+    #: Extension (``logprob_token_ids``): those ids' logprobs at each position.
+    token_id_logprobs: list[dict[str, float] | None] | None = None
 
 
 class CompletionChoiceWire(WireModel):

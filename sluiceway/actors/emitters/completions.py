@@ -56,7 +56,7 @@ class CompletionReplyConfig:
 def _logprobs(
     entries: tuple[LogprobEntry | None, ...], tokens: list[str], offsets: list[int], k: int
 ) -> CompletionLogprobsWire:
-    return CompletionLogprobsWire(
+    wire = CompletionLogprobsWire(
         tokens=tokens,
         token_logprobs=[None if e is None else e.logprob for e in entries],
         top_logprobs=[
@@ -64,6 +64,11 @@ def _logprobs(
         ],
         text_offset=offsets,
     )
+    if any(e is not None and e.requested for e in entries):
+        wire.token_id_logprobs = [
+            None if e is None else {str(t): v for t, v in e.requested} for e in entries
+        ]
+    return wire
 
 
 class CompletionFragments:
@@ -209,6 +214,7 @@ class _Merged:
     token_logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
+    token_id_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     finish_reason: str = "stop"
     matched_stop: str | int | None = None
     prompt_logprobs: list[TokenLogprobWire | None] | None = None
@@ -220,6 +226,8 @@ class _Merged:
             self.token_logprobs += fragment.logprobs.token_logprobs
             self.top_logprobs += fragment.logprobs.top_logprobs
             self.text_offset += fragment.logprobs.text_offset
+            scored = fragment.logprobs.token_id_logprobs
+            self.token_id_logprobs += scored or [None] * len(fragment.logprobs.tokens)
         if fragment.finish_reason is not None:
             self.finish_reason = fragment.finish_reason
             self.matched_stop = fragment.matched_stop
@@ -265,6 +273,8 @@ class CompletionAccumulator:
                 top_logprobs=merged.top_logprobs,
                 text_offset=merged.text_offset,
             )
+            if any(scores is not None for scores in merged.token_id_logprobs):
+                logprobs.token_id_logprobs = merged.token_id_logprobs
         choice = CompletionChoiceWire(
             index=index,
             text="".join(merged.text),
