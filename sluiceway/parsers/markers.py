@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 _ROOT = 0
+#: The automaton state before any character (nothing that could be a marker).
+INITIAL_STATE = _ROOT
 
 
 class MarkerSet:
@@ -32,6 +34,7 @@ class MarkerSet:
             self._insert(marker)
         self._fail: list[int] = [_ROOT] * len(self._goto)
         self._output: list[str | None] = list(self._terminal)
+        self._live: list[int] = [0] * len(self._goto)
         self._link_failures()
         first_chars = "".join(sorted({marker[0] for marker in self.markers}))
         self._first_char = re.compile("[" + re.escape(first_chars) + "]")
@@ -52,6 +55,8 @@ class MarkerSet:
 
     def _link_failures(self) -> None:
         queue: deque[int] = deque(self._goto[_ROOT].values())
+        for state in queue:
+            self._live[state] = 1 if self._goto[state] else 0
         while queue:
             state = queue.popleft()
             for char, child in self._goto[state].items():
@@ -63,6 +68,10 @@ class MarkerSet:
                 self._fail[child] = target if target != child else _ROOT
                 if self._output[child] is None:
                     self._output[child] = self._output[self._fail[child]]
+                # Breadth-first order: the failure state's entry is final already.
+                self._live[child] = (
+                    self._depth[child] if self._goto[child] else self._live[self._fail[child]]
+                )
 
     def step(self, state: int, char: str) -> int:
         while True:
@@ -75,6 +84,12 @@ class MarkerSet:
 
     def depth(self, state: int) -> int:
         return self._depth[state]
+
+    def live_depth(self, state: int) -> int:
+        """Length of the longest suffix at ``state`` that a further character
+        could still extend into a marker (a complete marker that no marker
+        extends is not live)."""
+        return self._live[state]
 
     def matched(self, state: int) -> str | None:
         """The longest marker that is a suffix of the text at ``state``."""
@@ -102,7 +117,11 @@ ScanEvent = OwnedText | MarkerFound
 
 
 class HeldText:
-    """Text held back, remembered piece by piece with its owners."""
+    """Text held back, remembered piece by piece with its owners.
+
+    Appending is O(1) (pieces are only merged when they are taken), so holding
+    a long run one character at a time stays linear.
+    """
 
     def __init__(self) -> None:
         self._pieces: deque[OwnedText] = deque()
@@ -115,31 +134,40 @@ class HeldText:
     def first_owner(self) -> int | None:
         return self._pieces[0].token if self._pieces else None
 
+    def first_owner_at_least(self, floor: int) -> int | None:
+        """The first owner not below ``floor`` (owners never decrease along the text)."""
+        for piece in self._pieces:
+            if piece.token >= floor:
+                return piece.token
+        return None
+
     def append(self, token: int, text: str) -> None:
-        if not text:
-            return
-        last = self._pieces[-1] if self._pieces else None
-        if last is not None and last.token == token:
-            self._pieces[-1] = OwnedText(token, last.text + text)
-        else:
+        if text:
             self._pieces.append(OwnedText(token, text))
-        self.length += len(text)
+            self.length += len(text)
 
     def take(self, count: int) -> list[OwnedText]:
-        """Remove and return the first ``count`` characters."""
+        """Remove and return the first ``count`` characters, one piece per owner run."""
         taken: list[OwnedText] = []
+        run: list[str] = []
+        run_token = 0
         while count > 0:
             piece = self._pieces[0]
             if len(piece.text) <= count:
                 self._pieces.popleft()
-                taken.append(piece)
-                count -= len(piece.text)
-                self.length -= len(piece.text)
+                text = piece.text
             else:
-                taken.append(OwnedText(piece.token, piece.text[:count]))
+                text = piece.text[:count]
                 self._pieces[0] = OwnedText(piece.token, piece.text[count:])
-                self.length -= count
-                count = 0
+            count -= len(text)
+            self.length -= len(text)
+            if run and piece.token != run_token:
+                taken.append(OwnedText(run_token, "".join(run)))
+                run = []
+            run_token = piece.token
+            run.append(text)
+        if run:
+            taken.append(OwnedText(run_token, "".join(run)))
         return taken
 
     def take_all(self) -> list[OwnedText]:
@@ -168,14 +196,25 @@ class MarkerScanner:
 
     def feed(self, token: int, text: str) -> list[ScanEvent]:
         events: list[ScanEvent] = []
-        markers = self._markers
         position = 0
         while position < len(text):
+            found, position = self.scan(token, text, position)
+            events.extend(found)
+        return events
+
+    def scan(self, token: int, text: str, start: int = 0) -> tuple[list[ScanEvent], int]:
+        """Like :meth:`feed` from ``start``, but stop right after the first
+        marker found: returns the events and the position reached. A caller
+        whose grammar changes at a marker reads the rest with other rules."""
+        events: list[ScanEvent] = []
+        markers = self._markers
+        position = start
+        while position < len(text):
             if self._state == _ROOT:
-                start = markers.skip_to_candidate(text, position)
-                if start > position:
-                    events.append(OwnedText(token, text[position:start]))
-                position = start
+                candidate = markers.skip_to_candidate(text, position)
+                if candidate > position:
+                    events.append(OwnedText(token, text[position:candidate]))
+                position = candidate
                 if position == len(text):
                     break
             char = text[position]
@@ -187,15 +226,14 @@ class MarkerScanner:
                 self._emit_released(events, self._held.length - len(found))
                 events.append(MarkerFound(found, tuple(self._held.take_all())))
                 self._state = _ROOT
-            else:
-                self._emit_released(events, self._held.length - markers.depth(self._state))
-        return events
+                break
+            self._emit_released(events, self._held.length - markers.depth(self._state))
+        return events, position
 
-    def finish(self) -> list[ScanEvent]:
-        events: list[ScanEvent] = []
-        self._emit_released(events, self._held.length)
+    def finish(self) -> list[OwnedText]:
+        """Release everything held (no marker can complete any more) and reset."""
         self._state = _ROOT
-        return events
+        return self._held.take_all()
 
     def _emit_released(self, events: list[ScanEvent], count: int) -> None:
         if count > 0:
