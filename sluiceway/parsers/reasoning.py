@@ -1,0 +1,222 @@
+"""Reasoning parsers: routing ``<think>...</think>`` to the reasoning channel.
+
+Theory of operation: a four-state machine over the content stream.
+
+- ``START``: nothing but whitespace has been seen. Whitespace and a prefix of
+  ``<think>`` are held, because an opening tag turns them into markup; any
+  other character shows the output did not open with a tag, so the held text is
+  fed again, once, in the state the dialect falls back to (content for qwen3,
+  reasoning for deepseek_r1, whose output begins inside reasoning).
+- ``REASONING``: a :class:`MarkerScanner` looks for ``</think>`` and holds only
+  a suffix that could still be the tag. A partial tag cut off by the end of the
+  output is released as reasoning.
+- ``CLOSED``: right after ``</think>``; whitespace is dropped as reasoning
+  markup (it is already decided, so it is never held).
+- ``CONTENT``: everything is content and nothing is held; a ``<think>`` here is
+  ordinary text.
+
+The starting state comes from the rendered prompt: :meth:`prime` reads the
+assistant prefix the chat template added (an opened or a closed think block)
+and only changes state.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from sluiceway.parsers.events import Channel, Event, Span, dropped
+from sluiceway.parsers.markers import HeldText, MarkerFound, MarkerScanner, MarkerSet
+from sluiceway.parsers.stages import (
+    WHITESPACE,
+    IllegalTransitionError,
+    PrimeError,
+    SpanStage,
+    spans_of,
+)
+
+OPEN_TAG = "<think>"
+CLOSE_TAG = "</think>"
+
+
+class ReasoningState(enum.Enum):
+    START = "start"
+    REASONING = "reasoning"
+    CLOSED = "closed"
+    CONTENT = "content"
+
+
+_TRANSITIONS: MappingProxyType[ReasoningState, frozenset[ReasoningState]] = MappingProxyType(
+    {
+        ReasoningState.START: frozenset({ReasoningState.REASONING, ReasoningState.CONTENT}),
+        ReasoningState.REASONING: frozenset({ReasoningState.CLOSED}),
+        ReasoningState.CLOSED: frozenset({ReasoningState.CONTENT}),
+        ReasoningState.CONTENT: frozenset(),
+    }
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReasoningDialect:
+    """What differs between the think-tag dialects."""
+
+    name: str
+    #: The output begins inside reasoning (only ``</think>`` is expected).
+    starts_in_reasoning: bool
+
+
+QWEN3 = ReasoningDialect(name="qwen3", starts_in_reasoning=False)
+DEEPSEEK_R1 = ReasoningDialect(name="deepseek_r1", starts_in_reasoning=True)
+
+
+def primed_state(prefix: str) -> ReasoningState:
+    """The state the assistant prefix leaves the output in (``START`` when it shows no tag)."""
+    opened = prefix.rfind(OPEN_TAG)
+    closed = prefix.rfind(CLOSE_TAG)
+    if closed > opened:
+        tail = prefix[closed + len(CLOSE_TAG) :]
+        return (
+            ReasoningState.CLOSED if all(c in WHITESPACE for c in tail) else ReasoningState.CONTENT
+        )
+    if opened >= 0:
+        return ReasoningState.REASONING
+    return ReasoningState.START
+
+
+_Handler = Callable[["ReasoningParser", int, str, int, list[Event]], int]
+
+
+class ReasoningParser(SpanStage):
+    """The first stage of a choice's text path: content -> reasoning/content/markup."""
+
+    def __init__(self, dialect: ReasoningDialect) -> None:
+        super().__init__((Channel.CONTENT,))
+        self.dialect = dialect
+        self._state = ReasoningState.START
+        self._held = HeldText()  # START only: leading whitespace and a partial <think>
+        self._tag_progress = 0
+        self._scanner = MarkerScanner(_CLOSE_MARKERS)
+        self._primed = ""
+
+    @property
+    def state(self) -> ReasoningState:
+        return self._state
+
+    def prime(self, text: str) -> None:
+        """Read the assistant prefix the chat template put at the end of the prompt."""
+        if self._started:
+            raise PrimeError("a reasoning parser can only be primed before it is fed")
+        self._primed += text
+        # Priming may jump to any state: it describes where the prompt left off.
+        self._state = primed_state(self._primed)
+
+    @property
+    def held_from(self) -> int | None:
+        if self._state is ReasoningState.START:
+            return self._held.first_owner_at_least(0)
+        if self._state is ReasoningState.REASONING:
+            return self._scanner.held_from
+        return None
+
+    def open_channel(self, upstream: Channel) -> Channel:
+        if self._state is ReasoningState.REASONING or (
+            self._state is ReasoningState.START and self.dialect.starts_in_reasoning
+        ):
+            return Channel.REASONING
+        return upstream
+
+    def _enter(self, state: ReasoningState) -> None:
+        if state not in _TRANSITIONS[self._state]:
+            raise IllegalTransitionError(f"reasoning parser: {self._state} -> {state}")
+        self._state = state
+
+    def _feed_text(self, span: Span, out: list[Event]) -> None:
+        self._feed_owned(span.token, span.text, out)
+
+    def _feed_owned(self, token: int, text: str, out: list[Event]) -> None:
+        position = 0
+        while position < len(text):
+            position = _HANDLERS[self._state](self, token, text, position, out)
+
+    def _flush(self, out: list[Event]) -> None:
+        if self._state is ReasoningState.START:
+            self._leave_start(out)
+        if self._state is ReasoningState.REASONING:
+            out.extend(spans_of(self._scanner.finish(), Channel.REASONING))
+
+    # -- one handler per state: consume from ``position``, return where it stopped
+
+    def _on_start(self, token: int, text: str, position: int, out: list[Event]) -> int:
+        while position < len(text):
+            char = text[position]
+            if self._tag_progress == 0 and char in WHITESPACE:
+                self._held.append(token, char)
+            elif char == OPEN_TAG[self._tag_progress]:
+                self._held.append(token, char)
+                self._tag_progress += 1
+                if self._tag_progress == len(OPEN_TAG):
+                    out.extend(spans_of(self._held.take_all(), Channel.DROPPED, Channel.REASONING))
+                    self._enter(ReasoningState.REASONING)
+                    return position + 1
+            else:
+                self._leave_start(out)
+                return position  # this character is read again in the new state
+            position += 1
+        return position
+
+    def _leave_start(self, out: list[Event]) -> None:
+        """The output did not open with ``<think>``: what START held is ordinary text."""
+        self._enter(
+            ReasoningState.REASONING if self.dialect.starts_in_reasoning else ReasoningState.CONTENT
+        )
+        self._tag_progress = 0
+        for piece in self._held.take_all():
+            self._feed_owned(piece.token, piece.text, out)
+
+    def _on_reasoning(self, token: int, text: str, position: int, out: list[Event]) -> int:
+        events, position = self._scanner.scan(token, text, position)
+        for event in events:
+            if isinstance(event, MarkerFound):
+                out.extend(spans_of(event.pieces, Channel.DROPPED, Channel.REASONING))
+                self._enter(ReasoningState.CLOSED)
+            else:
+                out.append(Span(event.token, event.text, Channel.REASONING))
+        return position
+
+    def _on_closed(self, token: int, text: str, position: int, out: list[Event]) -> int:
+        end = position
+        while end < len(text) and text[end] in WHITESPACE:
+            end += 1
+        if end > position:
+            out.append(dropped(token, text[position:end], Channel.REASONING))
+        if end < len(text):
+            self._enter(ReasoningState.CONTENT)
+        return end
+
+    def _on_content(self, token: int, text: str, position: int, out: list[Event]) -> int:
+        out.append(Span(token, text[position:], Channel.CONTENT))
+        return len(text)
+
+
+_CLOSE_MARKERS = MarkerSet((CLOSE_TAG,))
+
+_HANDLERS: MappingProxyType[ReasoningState, _Handler] = MappingProxyType(
+    {
+        ReasoningState.START: ReasoningParser._on_start,
+        ReasoningState.REASONING: ReasoningParser._on_reasoning,
+        ReasoningState.CLOSED: ReasoningParser._on_closed,
+        ReasoningState.CONTENT: ReasoningParser._on_content,
+    }
+)
+
+
+def qwen3() -> ReasoningParser:
+    """``<think>`` opens reasoning only at the very start of the output."""
+    return ReasoningParser(QWEN3)
+
+
+def deepseek_r1() -> ReasoningParser:
+    """The output starts inside reasoning; a leading ``<think>`` is markup."""
+    return ReasoningParser(DEEPSEEK_R1)
