@@ -1,0 +1,191 @@
+"""The stop-string matcher: ends the output at the earliest stop string.
+
+Theory of operation: one Aho-Corasick automaton over the stop strings
+(:class:`MarkerSet`), stepped once per character and never reset by a match.
+Its state is the longest suffix of the text that could still begin a stop
+string, so that suffix -- and only it -- is held back.
+
+When a stop string completes, an earlier-starting, longer stop string may still
+be alive (stop strings ``"abcd"`` and ``"bc"`` on ``"abc"``): the earliest
+start wins, ties go to the shorter string (it completed first). So a found
+match becomes *pending* and waits until no live candidate starts before it;
+any later match that starts earlier replaces it. Everything from the earliest
+of (pending start, live candidate start) is held; everything before is
+released. Once the match is final, the text before it is released, the stop
+string is released (``include_stop_str_in_output``) or dropped, and every
+later character is dropped.
+
+A match that completes in a token with index below ``min_tokens`` does not
+count. Text of one channel is matched as one stream; a change of channel (or a
+passed-through event) ends it, so no stop string spans reasoning and content.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from types import MappingProxyType
+
+from sluiceway.parsers.events import Channel, Event, Span, dropped
+from sluiceway.parsers.markers import INITIAL_STATE, HeldText, MarkerSet
+from sluiceway.parsers.stages import IllegalTransitionError, ParserError, SpanStage, spans_of
+
+#: OpenAI's limit is 4; vLLM and others accept more. Sixteen bounds the automaton.
+MAX_STOP_STRINGS = 16
+
+
+class InvalidStopError(ParserError, ValueError):
+    """The stop options cannot be matched (empty strings, too many, negative min_tokens)."""
+
+
+class StopState(enum.Enum):
+    SCANNING = "scanning"
+    PENDING = "pending"  # a match was found; an earlier-starting candidate may still win
+    MATCHED = "matched"
+
+
+_TRANSITIONS: MappingProxyType[StopState, frozenset[StopState]] = MappingProxyType(
+    {
+        StopState.SCANNING: frozenset({StopState.PENDING}),
+        StopState.PENDING: frozenset({StopState.PENDING, StopState.MATCHED}),
+        StopState.MATCHED: frozenset(),
+    }
+)
+
+
+class StopMatcher(SpanStage):
+    """A :class:`~sluiceway.parsers.pipeline.StopStage` for stop strings."""
+
+    def __init__(
+        self,
+        stop: Sequence[str],
+        *,
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+        match_in_reasoning: bool = False,
+    ) -> None:
+        if isinstance(stop, str):
+            raise InvalidStopError("stop must be a sequence of strings, not one string")
+        if not stop or len(stop) > MAX_STOP_STRINGS:
+            raise InvalidStopError(f"between 1 and {MAX_STOP_STRINGS} stop strings are allowed")
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise InvalidStopError("stop strings must be non-empty strings")
+        if min_tokens < 0:
+            raise InvalidStopError("min_tokens must not be negative")
+        handled = (Channel.CONTENT, Channel.REASONING) if match_in_reasoning else (Channel.CONTENT,)
+        super().__init__(handled)
+        self._markers = MarkerSet(stop)
+        self._include = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        self._state = StopState.SCANNING
+        self._automaton = INITIAL_STATE
+        self._held = HeldText()
+        self._fed = 0  # characters fed in the current segment (one channel's run)
+        self._segment: Channel | None = None
+        self._pending_start = 0
+        self._pending: str | None = None
+        self._matched: str | None = None
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string that ended the output, once one has."""
+        return self._matched
+
+    @property
+    def held_from(self) -> int | None:
+        return self._held.first_owner_at_least(0)
+
+    def open_channel(self, upstream: Channel) -> Channel:
+        return upstream
+
+    def _enter(self, state: StopState) -> None:
+        if state not in _TRANSITIONS[self._state]:
+            raise IllegalTransitionError(f"stop matcher: {self._state} -> {state}")
+        self._state = state
+
+    def _pass(self, event: Event, out: list[Event]) -> None:
+        if self._state is StopState.MATCHED:
+            if isinstance(event, Span) and event.text:
+                out.append(dropped(event.token, event.text, None))
+            return
+        out.append(event)
+
+    def _feed_text(self, span: Span, out: list[Event]) -> None:
+        if self._state is StopState.MATCHED:
+            out.append(dropped(span.token, span.text, None))
+            return
+        if span.channel is not self._segment:
+            self._flush(out)
+            if self._matched is not None:  # the segment's end concluded a pending match
+                out.append(dropped(span.token, span.text, None))
+                return
+            self._segment = span.channel
+        self._scan(span.token, span.text, span.channel, out)
+
+    def _scan(self, token: int, text: str, channel: Channel, out: list[Event]) -> None:
+        markers = self._markers
+        position = 0
+        while position < len(text):
+            if self._automaton == INITIAL_STATE and self._state is StopState.SCANNING:
+                # Fast path: nothing is held and nothing is pending, so a run
+                # without a stop string's first character goes out in one slice.
+                start = markers.skip_to_candidate(text, position)
+                if start > position:
+                    out.append(Span(token, text[position:start], channel))
+                    self._fed += start - position
+                    position = start
+                    continue
+            char = text[position]
+            position += 1
+            self._held.append(token, char)
+            self._fed += 1
+            self._automaton = markers.step(self._automaton, char)
+            found = markers.matched(self._automaton)
+            if found is not None and token >= self._min_tokens:
+                self._consider(found)
+            live_from = self._fed - markers.live_depth(self._automaton)
+            if self._state is StopState.PENDING:
+                if live_from >= self._pending_start:
+                    self._conclude(channel, out)
+                    if position < len(text):
+                        out.append(dropped(token, text[position:], None))
+                    return
+                live_from = min(live_from, self._pending_start)
+            self._release_before(live_from, channel, out)
+
+    def _consider(self, found: str) -> None:
+        """A stop string ends at the current character; keep it if it starts earliest."""
+        start = self._fed - len(found)
+        if self._pending is None or start < self._pending_start:
+            self._enter(StopState.PENDING)
+            self._pending = found
+            self._pending_start = start
+
+    def _release_before(self, position: int, channel: Channel, out: list[Event]) -> None:
+        count = position - (self._fed - self._held.length)
+        if count > 0:
+            out.extend(spans_of(self._held.take(count), channel))
+
+    def _conclude(self, channel: Channel, out: list[Event]) -> None:
+        """The pending match is final: release before it, then the stop string, drop the rest."""
+        stop = self._pending
+        if stop is None:
+            raise IllegalTransitionError("stop matcher: concluding without a pending match")
+        self._release_before(self._pending_start, channel, out)
+        matched = self._held.take(len(stop))
+        if self._include:
+            out.extend(spans_of(matched, channel))
+        else:
+            out.extend(spans_of(matched, Channel.DROPPED, None))
+        out.extend(spans_of(self._held.take_all(), Channel.DROPPED, None))
+        self._enter(StopState.MATCHED)
+        self._matched = stop
+
+    def _flush(self, out: list[Event]) -> None:
+        if self._state is StopState.PENDING and self._segment is not None:
+            self._conclude(self._segment, out)
+        elif self._state is StopState.SCANNING and self._segment is not None:
+            out.extend(spans_of(self._held.take_all(), self._segment))
+        self._automaton = INITIAL_STATE
+        self._fed = 0
+        self._segment = None
