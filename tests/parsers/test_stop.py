@@ -88,7 +88,7 @@ def test_output_is_text_cut_at_the_earliest_match(case: Case) -> None:
 @settings(max_examples=200, deadline=None)
 @given(case=cases())
 def test_held_from_and_minimal_holding(case: Case) -> None:
-    text, stop, _, min_tokens, tokenized, _ = case
+    _, stop, _, min_tokens, tokenized, _ = case
     steps = token_spans(tokenized)
     matcher = StopMatcher(stop, min_tokens=min_tokens)
     run = run_chain([matcher], steps)
