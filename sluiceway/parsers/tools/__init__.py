@@ -1,0 +1,1 @@
+"""Tool-call parsers: one module per dialect, sharing :mod:`.base`."""

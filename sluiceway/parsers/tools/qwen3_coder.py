@@ -1,0 +1,242 @@
+"""The Qwen3-Coder tool-call dialect (XML-ish parameters):
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    <parameter=days>
+    3
+    </parameter>
+    </function>
+    </tool_call>
+
+The arguments JSON is synthesised while the call streams: ``{"city": "Paris",
+"days": 3}``. A parameter whose schema type is ``string`` (or unknown) becomes
+a JSON string, escaped piece by piece as its value arrives; any other type is
+copied as raw JSON text (an empty one becomes ``null``). One newline right
+after ``<parameter=KEY>`` and one right before ``</parameter>`` are markup.
+Value characters are owned by the tokens that wrote them; synthetic
+punctuation by the token whose input called for it.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from sluiceway.parsers.events import Channel, Event, dropped
+from sluiceway.parsers.markers import MarkerFound, MarkerScanner, MarkerSet
+from sluiceway.parsers.tools.base import (
+    CLOSE_TAG,
+    OPEN_TAG,
+    Grammar,
+    ToolCallParser,
+    ToolSchema,
+    name_run,
+)
+
+FUNCTION_OPEN = "<function="
+FUNCTION_CLOSE = "</function>"
+PARAMETER_OPEN = "<parameter="
+PARAMETER_CLOSE = "</parameter>"
+
+
+class CoderPhase(enum.Enum):
+    TEXT = "text"
+    FUNCTION_OPEN = "function_open"  # <tool_call> seen; expecting <function=
+    FUNCTION_NAME = "function_name"  # up to ">" (commits)
+    BETWEEN = "between"  # <parameter= or </function>
+    PARAMETER_KEY = "parameter_key"  # up to ">"
+    VALUE_START = "value_start"  # one newline of markup
+    VALUE = "value"  # up to (newline and) </parameter>
+    CLOSE_TAG = "close_tag"  # </tool_call>
+    TRAILING = "trailing"
+
+
+_P = CoderPhase
+
+GRAMMAR: Grammar[CoderPhase] = Grammar(
+    text=_P.TEXT,
+    envelope=_P.FUNCTION_OPEN,
+    literals=MappingProxyType(
+        {
+            _P.FUNCTION_OPEN: ((FUNCTION_OPEN, _P.FUNCTION_NAME),),
+            _P.BETWEEN: ((PARAMETER_OPEN, _P.PARAMETER_KEY), (FUNCTION_CLOSE, _P.CLOSE_TAG)),
+            _P.CLOSE_TAG: ((CLOSE_TAG, _P.TRAILING),),
+        }
+    ),
+    committed=frozenset({_P.BETWEEN, _P.PARAMETER_KEY, _P.VALUE_START, _P.VALUE, _P.CLOSE_TAG}),
+    transitions=MappingProxyType(
+        {
+            _P.TEXT: frozenset({_P.FUNCTION_OPEN}),
+            _P.FUNCTION_OPEN: frozenset({_P.FUNCTION_NAME, _P.TEXT}),
+            _P.FUNCTION_NAME: frozenset({_P.BETWEEN, _P.TEXT}),
+            _P.BETWEEN: frozenset({_P.PARAMETER_KEY, _P.CLOSE_TAG, _P.TEXT}),
+            _P.PARAMETER_KEY: frozenset({_P.VALUE_START, _P.TEXT}),
+            _P.VALUE_START: frozenset({_P.VALUE}),
+            _P.VALUE: frozenset({_P.BETWEEN}),
+            _P.CLOSE_TAG: frozenset({_P.TRAILING, _P.TEXT}),
+            _P.TRAILING: frozenset({_P.TEXT}),
+        }
+    ),
+)
+
+_NAME_CHARS = re.compile(r'[^"\\<>\s\x00-\x1f]+')
+_KEY_CHARS = re.compile(r"[^<>\r\n]+")
+_VALUE_END = MarkerSet(("\n" + PARAMETER_CLOSE, PARAMETER_CLOSE))
+
+
+def json_escape(text: str) -> str:
+    """``text`` as it appears between the quotes of a JSON string (escaping is per character)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+def is_string_parameter(tool: ToolSchema | None, key: str) -> bool:
+    """Whether the tool's schema types ``key`` as a string (the default when unknown)."""
+    if tool is None:
+        return True
+    properties = tool.parameters.get("properties")
+    schema = properties.get(key) if isinstance(properties, Mapping) else None
+    declared = schema.get("type") if isinstance(schema, Mapping) else None
+    if isinstance(declared, str):
+        return declared == "string"
+    if isinstance(declared, list | tuple):
+        return "string" in declared or not declared
+    return True
+
+
+class Qwen3CoderParser(ToolCallParser[CoderPhase]):
+    """``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...``, several per reply."""
+
+    def __init__(
+        self, *, tools: tuple[ToolSchema, ...] = (), parallel_tool_calls: bool = True
+    ) -> None:
+        super().__init__(GRAMMAR, tools=tools, parallel_tool_calls=parallel_tool_calls)
+        self._name_from = 0
+        self._name: list[str] = []
+        self._function: ToolSchema | None = None
+        self._parameters = 0  # parameters opened in the committed call
+        self._string_value = True
+        self._value_empty = True
+        self._value = MarkerScanner(_VALUE_END)
+
+    def _extra_held(self) -> int | None:
+        return self._value.held_from
+
+    def _after_literal(self, token: int, literal: str, out: list[Event]) -> None:
+        if self._phase is _P.FUNCTION_NAME:
+            self._name_from = self._held.length
+            self._name = []
+        elif literal == FUNCTION_CLOSE:
+            out.append(self._argument(token, "}" if self._parameters else "{}"))
+        elif self._phase is _P.TRAILING:
+            self._end_call()
+
+    def _abandon_call(self, token: int, out: list[Event]) -> None:
+        # The JSON is closed unless </function> already closed it.
+        if self._phase in (_P.BETWEEN, _P.PARAMETER_KEY):
+            out.append(self._argument(token, "}" if self._parameters else "{}"))
+
+    def _flush_call(self, out: list[Event]) -> None:
+        for piece in self._value.finish():
+            self._emit_value(piece.token, piece.text, out)
+
+    def _step(self, token: int, text: str, position: int, out: list[Event]) -> int:
+        if self._phase is _P.FUNCTION_NAME:
+            return self._on_function_name(token, text, position, out)
+        if self._phase is _P.PARAMETER_KEY:
+            return self._on_parameter_key(token, text, position, out)
+        if self._phase is _P.VALUE_START:
+            return self._on_value_start(token, text, position, out)
+        if self._phase is _P.VALUE:
+            return self._on_value(token, text, position, out)
+        return self._on_trailing(token, text, position, out)
+
+    def _on_function_name(self, token: int, text: str, position: int, out: list[Event]) -> int:
+        end = name_run(_NAME_CHARS, text, position)
+        if end > position:
+            self._held.append(token, text[position:end])
+            self._name.append(text[position:end])
+        if end == len(text):
+            return end
+        if text[end] == ">" and self._name:
+            self._function = self._tool("".join(self._name))
+            self._parameters = 0
+            name_from = self._name_from
+            self._enter(_P.BETWEEN)
+            self._commit(name_from, out)
+            out.append(dropped(token, ">", Channel.TOOL_CALL))
+            return end + 1
+        self._break(token, out)
+        return end
+
+    def _on_parameter_key(self, token: int, text: str, position: int, out: list[Event]) -> int:
+        end = name_run(_KEY_CHARS, text, position)
+        if end > position:
+            self._held.append(token, text[position:end])
+        if end == len(text):
+            return end
+        if text[end] == ">" and self._held:
+            self._open_parameter(token, out)
+            return end + 1
+        self._break(token, out)
+        return end
+
+    def _open_parameter(self, token: int, out: list[Event]) -> None:
+        """``<parameter=KEY>`` is complete: emit ``{"KEY": `` (and ``"`` for a string)."""
+        pieces = self._held.take_all()
+        key = "".join(piece.text for piece in pieces)
+        self._string_value = is_string_parameter(self._function, key)
+        self._value_empty = True
+        opening = "{" if self._parameters == 0 else ", "
+        self._parameters += 1
+        out.append(self._argument(pieces[0].token, opening + '"'))
+        out.extend(self._argument(piece.token, json_escape(piece.text)) for piece in pieces)
+        out.append(dropped(token, ">", Channel.TOOL_CALL))
+        out.append(self._argument(token, '": "' if self._string_value else '": '))
+        self._enter(_P.VALUE_START)
+
+    def _on_value_start(self, token: int, text: str, position: int, out: list[Event]) -> int:
+        self._enter(_P.VALUE)
+        if text[position] == "\n":
+            out.append(dropped(token, "\n", Channel.TOOL_CALL))
+            return position + 1
+        return position
+
+    def _on_value(self, token: int, text: str, position: int, out: list[Event]) -> int:
+        events, position = self._value.scan(token, text, position)
+        for event in events:
+            if isinstance(event, MarkerFound):
+                out.extend(self._markup(list(event.pieces)))
+                self._close_value(event.pieces[-1].token, out)
+            else:
+                self._emit_value(event.token, event.text, out)
+        return position
+
+    def _emit_value(self, token: int, text: str, out: list[Event]) -> None:
+        if text:
+            self._value_empty = False
+            out.append(self._argument(token, json_escape(text) if self._string_value else text))
+
+    def _close_value(self, token: int, out: list[Event]) -> None:
+        if self._string_value:
+            out.append(self._argument(token, '"'))
+        elif self._value_empty:
+            out.append(self._argument(token, "null"))
+        self._enter(_P.BETWEEN)
+
+
+def qwen3_coder(
+    *, tools: tuple[ToolSchema, ...] = (), parallel_tool_calls: bool = True
+) -> Qwen3CoderParser:
+    return Qwen3CoderParser(tools=tools, parallel_tool_calls=parallel_tool_calls)
+
+
+def forced_prefix(name: str | None) -> str:
+    """The assistant prefix that forces a call (of ``name``, or of any tool)."""
+    opening = f"{OPEN_TAG}\n{FUNCTION_OPEN}"
+    return opening if name is None else f"{opening}{name}>\n"
