@@ -1,0 +1,111 @@
+"""Configuration, routing and request validation, without a server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sluiceway.protocol.chat import ChatRequest
+from sluiceway.protocol.errors import InvalidRequest, MethodNotAllowed, NotFound
+from sluiceway.server.cli import build_parser
+from sluiceway.server.config import ServerConfig
+from sluiceway.server.routing import Router
+from sluiceway.server.validation import parse_request, stop_strings
+
+
+def test_config_from_environment() -> None:
+    config = ServerConfig.from_env(
+        {
+            "SLUICEWAY_MODEL": "/models/x",
+            "SLUICEWAY_PORT": "9001",
+            "SLUICEWAY_RETURN_TOKENS_AS_TOKEN_IDS": "yes",
+            "SLUICEWAY_WORKER_CLASS": "trio",
+            "UNRELATED": "1",
+        }
+    )
+    assert config.model == "/models/x"
+    assert config.port == 9001
+    assert config.return_tokens_as_token_ids is True
+    assert config.worker_class == "trio"
+    assert config.model_name == "/models/x"
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"SLUICEWAY_ENGINE": "gpu-magic"},
+        {"SLUICEWAY_PORT": "0"},
+        {"SLUICEWAY_RETURN_TOKENS_AS_TOKEN_IDS": "maybe"},
+    ],
+)
+def test_bad_environment_is_refused(environ: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match=r"."):
+        ServerConfig.from_env(environ)
+
+
+def test_every_config_field_has_a_flag() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--max-body-bytes", "10", "--no-return-tokens-as-token-ids"]
+    )
+    assert args.max_body_bytes == 10
+    assert args.return_tokens_as_token_ids is False
+    assert args.worker_class == "asyncio"
+
+
+async def _noop(*_: Any) -> None:
+    return None
+
+
+def test_router_tells_404_from_405() -> None:
+    router = Router({"/v1/models": {"GET": _noop}, "/v1/models/{model}": {"GET": _noop}})
+    assert router.resolve("GET", "/v1/models/") is _noop
+    assert router.resolve("HEAD", "/v1/models") is _noop
+    assert router.resolve("GET", "/v1/models/some-model") is _noop
+    with pytest.raises(MethodNotAllowed) as refused:
+        router.resolve("POST", "/v1/models")
+    assert refused.value.allowed == ("GET",)
+    with pytest.raises(NotFound):
+        router.resolve("GET", "/v2/models")
+    with pytest.raises(NotFound):
+        router.resolve("GET", "/v1/models/a/b")
+
+
+@pytest.mark.parametrize(
+    ("payload", "param"),
+    [
+        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop"),
+        ({"model": "m", "messages": "hi"}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+        ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": True}, "n"),
+    ],
+)
+def test_validation_names_the_param(payload: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        parse_request(ChatRequest, payload)
+    assert refused.value.param == param
+
+
+def test_assistant_messages_echoed_back_are_accepted() -> None:
+    message = {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "annotations": [],
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        ],
+    }
+    request = parse_request(ChatRequest, {"model": "m", "messages": [message]})
+    assert request.messages[0].tool_calls is not None
+
+
+def test_stop_strings_are_checked() -> None:
+    assert stop_strings("a") == ("a",)
+    assert stop_strings(["a", "b", "a"]) == ("a", "b")
+    with pytest.raises(InvalidRequest):
+        stop_strings([str(i) for i in range(17)])
+    with pytest.raises(InvalidRequest):
+        stop_strings([""])
