@@ -59,9 +59,24 @@ def start_server(
     log_dir: Path,
     name: str = "test-model",
     extra_args: Sequence[str] = (),
+    through_hypercorn_cli: bool = False,
 ) -> RunningServer:
+    """Start ``sluiceway serve``; or, with ``through_hypercorn_cli``, the
+    ``hypercorn`` command on the app factory configured by environment."""
     port = free_port()
     log_path = log_dir / f"server-{worker_class}-{port}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if through_hypercorn_cli:
+        command = [
+            str(Path(sys.executable).parent / "hypercorn"),
+            "sluiceway.server:create_app()",
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--worker-class",
+            worker_class,
+        ]
+        env |= {"SLUICEWAY_MODEL": str(model), "SLUICEWAY_SERVED_MODEL_NAME": name}
+        return _wait_for(command, env, port, name, worker_class, log_path)
     command = [
         sys.executable,
         "-m",
@@ -77,7 +92,17 @@ def start_server(
         worker_class,
         *extra_args,
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return _wait_for(command, env, port, name, worker_class, log_path)
+
+
+def _wait_for(
+    command: list[str],
+    env: dict[str, str],
+    port: int,
+    name: str,
+    worker_class: str,
+    log_path: Path,
+) -> RunningServer:
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = RunningServer(f"http://127.0.0.1:{port}", name, worker_class, process, log_path)

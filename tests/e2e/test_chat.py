@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -14,7 +15,7 @@ import pytest
 from httpx_sse import connect_sse
 
 from tests.e2e import schemas
-from tests.e2e.harness import RunningServer
+from tests.e2e.harness import RunningServer, start_server
 
 MESSAGES = [{"role": "user", "content": "Tell me about rivers."}]
 
@@ -299,3 +300,22 @@ def test_disconnect_while_waiting_for_a_whole_reply_frees_the_slot(server: Runni
         connection.sendall(head + payload)
         wait_until_running(server)
     wait_until_idle(server)
+
+
+@pytest.mark.parametrize("worker_class", ["asyncio", "trio"])
+def test_app_factory_under_the_hypercorn_command(
+    default_model: Path, tmp_path: Path, worker_class: str
+) -> None:
+    running = start_server(
+        default_model,
+        worker_class=worker_class,
+        log_dir=tmp_path,
+        name="factory",
+        through_hypercorn_cli=True,
+    )
+    try:
+        events = sse_events(running, chat_body(running, stream=True, max_tokens=3))
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[0])["model"] == "factory"
+    finally:
+        running.stop()
