@@ -1,0 +1,73 @@
+"""Choosing and building an engine: ``--engine mlx|transformers|auto``.
+
+``auto`` prefers mlx where it has a Metal GPU (Apple silicon), then
+transformers wherever torch imports (on Linux CPUs torch is much faster than
+the mlx CPU wheel, and it is the only CUDA path we ship), and falls back to mlx
+on the CPU. Imports are lazy so that a host without torch, or without mlx,
+can still run the other engine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+from sluiceway.engines.base import Engine
+from sluiceway.engines.loader import ModelSource
+
+logger = logging.getLogger(__name__)
+
+ENGINES = ("auto", "mlx", "transformers")
+
+
+def choose_engine(choice: str) -> str:
+    """Resolve ``--engine`` to ``"mlx"`` or ``"transformers"`` and log why."""
+    if choice not in ENGINES:
+        raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, not {choice!r}")
+    if choice != "auto":
+        logger.info("engine: %s (asked for)", choice)
+        return choice
+    if _metal_available():
+        logger.info("engine: mlx (auto: a Metal GPU is available)")
+        return "mlx"
+    if _torch_importable():
+        logger.info("engine: transformers (auto: no Metal GPU; torch imports)")
+        return "transformers"
+    logger.info("engine: mlx (auto: no Metal GPU and no torch; mlx runs on the CPU)")
+    return "mlx"
+
+
+def make_engine(choice: str, source: ModelSource, *, device: str, dtype: str) -> Engine:
+    """Build the engine ``choice`` names (after :func:`choose_engine`) for ``source``.
+
+    ``device`` and ``dtype`` apply to transformers; mlx picks its own device
+    (Metal if present) and runs the checkpoint's dtype.
+    """
+    name = choose_engine(choice)
+    if name == "transformers":
+        from sluiceway.engines.torch_engine import TransformersEngine
+
+        return TransformersEngine(source, device=device, dtype=dtype)
+    if device != "auto" or dtype != "auto":
+        logger.warning("the mlx engine ignores --device %s and --dtype %s", device, dtype)
+    from sluiceway.engines.mlx_engine import MlxEngine
+
+    return MlxEngine(source)
+
+
+def _metal_available() -> bool:
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return False
+    return bool(mx.metal.is_available())
+
+
+def _torch_importable() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    try:
+        import torch  # noqa: F401  # importing can still fail (a broken or mismatched build)
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,496 @@
+"""The transformers (PyTorch) engine: CPU or CUDA.
+
+Theory of operation. Every attention layer's keys and values for a set of
+rows live in one preallocated tensor per layer, ``[row_capacity, kv_heads,
+time_capacity, head_dim]`` (:class:`KVRows`). All rows share one time axis and
+are *right-aligned* on it: a row's real tokens occupy ``[first[row], end)``,
+and whatever lies to their left (``[start, first[row])``) is padding that the
+attention mask hides. The model sees the window ``[start, end)`` of the first
+``rows`` rows as its past, through a transformers ``Cache`` whose layers write
+the new step at ``end`` in place and return views (no ``torch.cat`` per step).
+
+Three facts make rows of different lengths decode together exactly as they
+would alone:
+
+* RoPE is applied to keys before they are cached, so a cached key keeps the
+  rotation of its real position wherever it sits on the shared axis; the engine
+  passes per-row ``position_ids`` (``end - first[row]``) for the new token.
+* The engine passes a 2D padding mask (``index >= first[row]``) and lets
+  transformers build the 4D mask it needs; causality is in index space, which
+  is the same as real-token order because padding is only ever on the left.
+* Padded positions hold finite values (zeros, or stale rows' keys), so a masked
+  score is ``-inf`` and contributes exactly nothing.
+
+When no row has padding the mask is left out (``None``), which is the same
+fast path a plain transformers decode loop takes.
+
+Joining and leaving touch only the row concerned, never the other rows'
+computation: a prefilled slot is built in its own one-row :class:`KVRows` and
+copied into the next free row of the running batch, right-aligned (so it is
+left-padded when it is shorter than the batch's window; when it is longer,
+``start`` moves left into free space, or the buffers are reallocated once). A
+freed row is overwritten by the last row, and ``start`` moves right past the
+padding that every remaining row shares, so attention stops paying for it.
+The time axis grows geometrically and the rows double, so the amortised cost
+of a decode step is one in-place write per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from sluiceway.engines.base import DecodeResult, EngineInfo, Logits, config_max_context
+from sluiceway.engines.loader import ModelSource
+
+logger = logging.getLogger(__name__)
+
+#: Prompt positions per forward pass while prefilling, to bound peak memory.
+PREFILL_STEP = 512
+#: The time axis grows in multiples of this many positions.
+TIME_STEP = 256
+#: The running batch starts with room for this many rows, doubling as needed.
+ROW_STEP = 8
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES: Mapping[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def resolve_device(choice: str) -> torch.device:
+    """``auto`` is CUDA when a GPU is visible, else the CPU."""
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(choice)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"--device must be one of {', '.join(DEVICES)} (or cuda:N), not {choice!r}"
+        )
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(choice: str, config: Mapping[str, Any], device: torch.device) -> torch.dtype:
+    """Pick the compute dtype.
+
+    ``auto`` on CUDA keeps the checkpoint's dtype (bfloat16 falls back to
+    float16 on GPUs without bfloat16). ``auto`` on the CPU is always float32: a
+    half-precision checkpoint is upcast, because CPU half-precision matmuls are
+    slower than float32 on most CPUs (no AMX/AVX512-BF16) and float32 keeps
+    logprobs exact. Ask for ``bfloat16`` explicitly to halve memory on the CPU.
+    """
+    if choice != "auto":
+        if choice not in DTYPES:
+            raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}, not {choice!r}")
+        return DTYPES[choice]
+    if device.type == "cpu":
+        return torch.float32
+    dtype = DTYPES.get(_config_dtype(config) or "float32", torch.float32)
+    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return dtype
+
+
+def _config_dtype(config: Mapping[str, Any]) -> str | None:
+    for scope in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            value = scope.get(key)
+            if isinstance(value, str):
+                return value
+    return None
+
+
+def use_all_cores(device: torch.device) -> int:
+    """Set torch's intra-op thread count for a CPU device; return the count in use.
+
+    ``OMP_NUM_THREADS`` wins; otherwise every CPU in this process's affinity
+    mask (not the host's count, which containers and ``taskset`` restrict).
+    On a host whose cores are busy with other work, fewer threads can be much
+    faster, since every parallel region waits for its slowest thread: measured
+    4x on a contended 2-vCPU VM. Set ``OMP_NUM_THREADS`` there.
+    """
+    configured = os.environ.get("OMP_NUM_THREADS", "")
+    if configured.isdigit() and int(configured) > 0:
+        threads = int(configured)
+    elif hasattr(os, "sched_getaffinity"):
+        threads = len(os.sched_getaffinity(0))
+    else:
+        threads = os.cpu_count() or 1
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLayout:
+    """One attention layer's cached tensors: ``(heads, head_dim)`` of keys and of values."""
+
+    keys: tuple[int, int]
+    values: tuple[int, int]
+    dtype: torch.dtype
+
+
+class KVRows:
+    """Keys and values of several rows on one shared, left-padded time axis.
+
+    Row ``r``'s real tokens are at ``[first[r], end)``; ``[start, end)`` is the
+    window the model attends over. Buffers are allocated on first use and
+    zero-initialised, so that masked positions always hold finite values.
+    """
+
+    def __init__(self, layouts: Sequence[LayerLayout], device: torch.device):
+        self.layouts = tuple(layouts)
+        self.device = device
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.rows = 0
+        self.start = 0
+        self.end = 0
+        self.first: list[int] = []
+        self.cache = _WindowCache(self)
+
+    @property
+    def window(self) -> int:
+        return self.end - self.start
+
+    @property
+    def row_capacity(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
+
+    @property
+    def time_capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    # -- one forward pass ------------------------------------------------------------------
+
+    def inputs(self, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Reserve ``length`` positions; return ``position_ids`` and the 2D mask (or ``None``)."""
+        self.reserve(right=length)
+        device = self.device
+        seen = torch.tensor([self.end - f for f in self.first], device=device)
+        positions = seen[:, None] + torch.arange(length, device=device)
+        if all(f == self.start for f in self.first):
+            return positions, None
+        first = torch.tensor(self.first, device=device)
+        index = torch.arange(self.start, self.end + length, device=device)
+        return positions, index[None, :] >= first[:, None]
+
+    def write(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store one layer's new keys and values at ``end``; return the whole window (views)."""
+        stop = self.end + keys.shape[2]
+        self.keys[layer][: self.rows, :, self.end : stop] = keys
+        self.values[layer][: self.rows, :, self.end : stop] = values
+        return (
+            self.keys[layer][: self.rows, :, self.start : stop],
+            self.values[layer][: self.rows, :, self.start : stop],
+        )
+
+    def advance(self, length: int) -> None:
+        """Every layer has written ``length`` positions: move ``end`` past them."""
+        self.end += length
+
+    # -- rows joining and leaving ------------------------------------------------------------
+
+    def open_row(self) -> None:
+        """Add an empty row (a slot about to be prefilled)."""
+        self.reserve(rows=self.rows + 1)
+        self.first.append(self.end)
+        self.rows += 1
+
+    def add_rows(self, others: Sequence[KVRows], *, min_rows: int = 1) -> None:
+        """Append each of ``others``' single row, right-aligned with the running rows."""
+        longest = max(other.window for other in others)
+        self.reserve(
+            left=max(0, longest - self.window), rows=max(min_rows, self.rows + len(others))
+        )
+        for other in others:
+            if other.rows != 1:
+                raise ValueError("only a one-row cache can join another")
+            length = other.window
+            self.start = min(self.start, self.end - length)
+            row, begin = self.rows, self.end - length
+            for mine, theirs in zip(
+                self.keys + self.values, other.keys + other.values, strict=True
+            ):
+                mine[row, :, begin : self.end] = theirs[0, :, other.start : other.end]
+            self.first.append(begin)
+            self.rows += 1
+
+    def remove_row(self, row: int) -> int | None:
+        """Drop ``row``; the last row moves into its place. Returns the row that moved, if any."""
+        last = self.rows - 1
+        moved = None
+        if row != last:
+            for tensor in self.keys + self.values:
+                tensor[row, :, self.start : self.end] = tensor[last, :, self.start : self.end]
+            self.first[row] = self.first[last]
+            moved = last
+        self.first.pop()
+        self.rows -= 1
+        # Padding that every remaining row shares is no longer attended to.
+        self.start = min(self.first) if self.first else self.end
+        return moved
+
+    def clone(self) -> KVRows:
+        copy = KVRows(self.layouts, self.device)
+        copy.add_rows([self])
+        return copy
+
+    # -- capacity ----------------------------------------------------------------------------
+
+    def reserve(self, *, left: int = 0, right: int = 0, rows: int = 0) -> None:
+        """Room for ``left`` positions before ``start``, ``right`` after ``end``, and ``rows`` rows."""
+        if (
+            left <= self.start
+            and self.end + right <= self.time_capacity
+            and rows <= self.row_capacity
+        ):
+            return
+        row_capacity = max(1, self.row_capacity)
+        while row_capacity < rows:
+            row_capacity *= 2
+        # Geometric growth to the right keeps the amortised cost of a step at one write.
+        time = _round_up(left + self.window + right + max(TIME_STEP, self.window // 2), TIME_STEP)
+        self._reallocate(rows=row_capacity, time=time, new_start=left)
+
+    def _reallocate(self, *, rows: int, time: int, new_start: int) -> None:
+        old_keys, old_values = self.keys, self.values
+        old_start, old_end = self.start, self.end
+        self.keys = [self._buffer(rows, time, kv.keys, kv.dtype) for kv in self.layouts]
+        self.values = [self._buffer(rows, time, kv.values, kv.dtype) for kv in self.layouts]
+        shift = new_start - old_start
+        self.start, self.end = new_start, old_end + shift
+        self.first = [f + shift for f in self.first]
+        if not old_keys:
+            return
+        for new, old in zip(self.keys + self.values, old_keys + old_values, strict=True):
+            new[: self.rows, :, self.start : self.end] = old[: self.rows, :, old_start:old_end]
+
+    def _buffer(
+        self, rows: int, time: int, shape: tuple[int, int], dtype: torch.dtype
+    ) -> torch.Tensor:
+        heads, dim = shape
+        return torch.zeros(rows, heads, time, dim, dtype=dtype, device=self.device)
+
+
+def _round_up(value: int, step: int) -> int:
+    return (value + step - 1) // step * step
+
+
+class _WindowLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
+    """One layer of :class:`KVRows` seen through transformers' cache-layer API."""
+
+    is_sliding = False
+
+    def __init__(self, rows: KVRows, layer: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._rows = rows
+        self._layer = layer
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rows.write(self._layer, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._rows.window + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._rows.window
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _WindowCache(Cache):
+    """The transformers ``Cache`` the model writes through; the storage is :class:`KVRows`."""
+
+    def __init__(self, rows: KVRows) -> None:
+        super().__init__(layers=[_WindowLayer(rows, i) for i in range(len(rows.layouts))])
+
+
+class TransformersEngine:
+    """An :class:`~sluiceway.engines.base.Engine` over a transformers causal LM."""
+
+    def __init__(self, source: ModelSource, *, device: str = "auto", dtype: str = "auto") -> None:
+        self._device = resolve_device(device)
+        self._dtype = resolve_dtype(dtype, source.config, self._device)
+        use_all_cores(self._device)
+        self._model = _load_model(source, self._device, self._dtype)
+        self._layouts = _probe_layouts(self._model, self._device)
+        self._pending: dict[int, KVRows] = {}
+        self._batch: KVRows | None = None
+        self._order: list[int] = []
+        self._info = EngineInfo(
+            name="transformers",
+            device=str(self._device),
+            dtype=str(self._dtype).removeprefix("torch."),
+            vocab_size=int(source.vocab_size or self._model.config.vocab_size),
+            max_context=config_max_context(source.config),
+        )
+        logger.info(
+            "transformers engine: %s on %s, %s, %d threads",
+            source.name,
+            self._device,
+            self._info.dtype,
+            torch.get_num_threads(),
+        )
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def prefill(self, slot: int, token_ids: Sequence[int], *, all_logits: bool = False) -> Logits:
+        if not token_ids:
+            raise ValueError("prefill needs at least one token")
+        if slot in self._order:
+            raise ValueError(f"slot {slot} is already decoding; free it before prefilling again")
+        with torch.inference_mode():
+            rows = self._pending.get(slot)
+            if rows is None:
+                rows = self._pending[slot] = self._new_rows()
+                rows.open_row()
+            pieces = []
+            for begin in range(0, len(token_ids), PREFILL_STEP):
+                chunk = list(token_ids[begin : begin + PREFILL_STEP])
+                ids = torch.tensor([chunk], dtype=torch.long, device=self._device)
+                logits = self._forward(rows, ids, keep=0 if all_logits else 1)
+                if all_logits or begin + PREFILL_STEP >= len(token_ids):
+                    pieces.append(logits[0])
+            return _to_numpy(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+
+    def fork(self, source: int, target: int) -> None:
+        if source not in self._pending:
+            raise ValueError(f"slot {source} is not a prefilled slot waiting to decode")
+        if target in self._order or target in self._pending:
+            raise ValueError(f"slot {target} is in use; free it before forking into it")
+        with torch.inference_mode():
+            self._pending[target] = self._pending[source].clone()
+
+    def decode(self, tokens: Mapping[int, int]) -> DecodeResult:
+        if not tokens:
+            raise ValueError("decode needs at least one slot")
+        missing = set(self._order) - tokens.keys()
+        if missing:
+            raise ValueError(f"decode must name every running slot; missing {sorted(missing)}")
+        with torch.inference_mode():
+            self._join_new(tokens)
+            assert self._batch is not None
+            ids = torch.tensor([[tokens[slot]] for slot in self._order], device=self._device)
+            logits = self._forward(self._batch, ids, keep=1)
+            return DecodeResult(tuple(self._order), _to_numpy(logits[:, -1, :]))
+
+    def free(self, slot: int) -> None:
+        if self._pending.pop(slot, None) is not None or slot not in self._order:
+            return
+        assert self._batch is not None
+        row = self._order.index(slot)
+        with torch.inference_mode():
+            moved = self._batch.remove_row(row)
+        if moved is not None:
+            self._order[row] = self._order[moved]
+        self._order.pop()
+        if not self._order:
+            self._batch = None  # release the memory the longest rows needed
+
+    def close(self) -> None:
+        self._pending.clear()
+        self._batch = None
+        self._order.clear()
+
+    def _new_rows(self) -> KVRows:
+        return KVRows(self._layouts, self._device)
+
+    def _forward(self, rows: KVRows, ids: torch.Tensor, *, keep: int) -> torch.Tensor:
+        length = ids.shape[1]
+        positions, mask = rows.inputs(length)
+        output = self._model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,
+            past_key_values=rows.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        rows.advance(length)
+        logits: torch.Tensor = output.logits
+        return logits
+
+    def _join_new(self, tokens: Mapping[int, int]) -> None:
+        joining = [slot for slot in tokens if slot not in self._order]
+        if not joining:
+            return
+        for slot in joining:
+            if slot not in self._pending:
+                raise ValueError(f"slot {slot} was never prefilled")
+        if self._batch is None:
+            self._batch = self._new_rows()
+        self._batch.add_rows([self._pending.pop(slot) for slot in joining], min_rows=ROW_STEP)
+        self._order.extend(joining)
+
+
+def _to_numpy(logits: torch.Tensor) -> Logits:
+    """float32 NumPy; on the CPU this shares the tensor's memory (no copy for float32)."""
+    array: Logits = logits.float().cpu().numpy()
+    return array
+
+
+def _probe_layouts(model: Any, device: torch.device) -> tuple[LayerLayout, ...]:
+    """Every layer's key and value shapes, read off one token through a ``DynamicCache``.
+
+    A real forward pass rather than the config: it also covers models whose
+    head counts or sizes differ by layer, or between keys and values.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=cache)
+    layouts = []
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+            raise ValueError(
+                f"the transformers engine needs an attention KV cache in every layer; "
+                f"{type(model).__name__} has a {type(layer).__name__}"
+            )
+        layouts.append(
+            LayerLayout(
+                keys=(keys.shape[1], keys.shape[3]),
+                values=(values.shape[1], values.shape[3]),
+                dtype=keys.dtype,
+            )
+        )
+    return tuple(layouts)
+
+
+def _load_model(source: ModelSource, device: torch.device, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    def load(attention: str) -> Any:
+        return AutoModelForCausalLM.from_pretrained(
+            str(source.path), local_files_only=True, dtype=dtype, attn_implementation=attention
+        )
+
+    try:
+        model = load("sdpa")
+    except ValueError:  # an architecture without an SDPA path
+        logger.info("%s has no SDPA attention; using eager attention", source.name)
+        model = load("eager")
+    return model.to(device).eval()
