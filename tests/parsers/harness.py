@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,14 @@ from sluiceway.parsers.events import (
 from sluiceway.parsers.pipeline import ChoicePipeline, StopStage, TextStage
 
 WS = " \t\r\n"
+
+#: SLUICEWAY_SOAK=20 multiplies every property test's example count (a soak run).
+SOAK = int(os.environ.get("SLUICEWAY_SOAK", "1"))
+
+
+def examples(count: int) -> int:
+    return count * SOAK
+
 
 # -- synthetic tokenizations -------------------------------------------------
 

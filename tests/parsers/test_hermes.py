@@ -21,6 +21,7 @@ from .harness import (
     UnsupportedDocument,
     assert_accounts_for,
     assert_held_from,
+    examples,
     hermes_call,
     ref_hermes,
     regroup,
@@ -89,7 +90,7 @@ def _check_against_reference(case: Case) -> None:
     assert (whole.content, whole.call_list) == (expected_content, expected_calls)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(case=cases())
 @example(
     case=(
@@ -115,7 +116,7 @@ def test_matches_reference_under_any_tokenization(case: Case) -> None:
     _check_against_reference(case)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(case=cases(), data=st.data())
 def test_truncated_replies_lose_nothing(case: Case, data: st.DataObject) -> None:
     """Any prefix (a reply cut by max_tokens, or garbage): streaming equals

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sluiceway.parsers.markers import (
@@ -17,6 +17,8 @@ from sluiceway.parsers.markers import (
     OwnedText,
     ScanEvent,
 )
+
+from .harness import examples
 
 MARKERS = st.lists(st.text(alphabet="ab<>/", min_size=1, max_size=5), min_size=1, max_size=4)
 TEXTS = st.text(alphabet="ab<>/c", max_size=40)
@@ -53,6 +55,7 @@ def test_matched_is_the_longest_marker_suffix() -> None:
     assert markers.live_depth(state) == 0  # nothing extends "abcd"
 
 
+@settings(max_examples=examples(100), deadline=None)
 @given(markers=MARKERS, text=TEXTS)
 def test_automaton_depth_is_longest_suffix_that_is_a_marker_prefix(
     markers: list[str], text: str
@@ -122,6 +125,7 @@ def _merge(events: list[ScanEvent]) -> list[str | tuple[str]]:
     return out
 
 
+@settings(max_examples=examples(200), deadline=None)
 @given(markers=MARKERS, text=TEXTS, cuts=st.sets(st.integers(1, 39)))
 @example(markers=["<think>"], text="a<b<think>c", cuts={2})
 @example(markers=["ab", "b"], text="ab", cuts=set())

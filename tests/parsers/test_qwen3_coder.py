@@ -20,6 +20,7 @@ from .harness import (
     TOOL_NEAR_MISSES,
     WS,
     Tokenized,
+    examples,
     regroup,
     route,
     run_chain,
@@ -128,7 +129,7 @@ def _pairs(arguments: str) -> list[tuple[str, Any]]:
     return list(loaded.items())
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(case=cases())
 @example(
     case=(
@@ -164,7 +165,7 @@ def test_matches_generated_calls_under_any_tokenization(case: Case) -> None:
     )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(case=cases(), data=st.data())
 def test_truncated_replies_stream_like_whole(case: Case, data: st.DataObject) -> None:
     text = case[0]

@@ -18,6 +18,7 @@ from .harness import (
     Tokenized,
     assert_accounts_for,
     assert_held_from,
+    examples,
     joined,
     ref_reasoning,
     regroup,
@@ -69,7 +70,7 @@ def cases(draw: st.DrawFn) -> tuple[int, str, Tokenized, set[int]]:
     return priming, text, tokenized, groups
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(case=cases())
 @example(case=(0, "<think>a</think>b", tokenize(b"<think>a</think>b", range(1, 17)), set()))
 @example(case=(5, "</think>b", tokenize(b"</think>b", [1]), set()))
@@ -93,7 +94,7 @@ def test_matches_reference_under_any_tokenization(
     assert (whole.reasoning, whole.content) == expected
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(case=cases())
 def test_held_from_names_the_first_held_character(
     case: tuple[int, str, Tokenized, set[int]],
@@ -104,7 +105,7 @@ def test_held_from_names_the_first_held_character(
     assert_held_from(steps, run_chain([make(dialect, prefix)], steps))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(text=st.text(alphabet="</think>ab é", max_size=40), cuts=st.sets(st.integers(1, 40)))
 def test_inside_reasoning_only_a_possible_close_tag_is_held(text: str, cuts: set[int]) -> None:
     steps = token_spans(tokenize(text.encode(), cuts))

@@ -14,6 +14,7 @@ from .harness import (
     Tokenized,
     assert_accounts_for,
     assert_held_from,
+    examples,
     owners_of,
     ref_reasoning,
     ref_stop,
@@ -53,7 +54,7 @@ def cases(draw: st.DrawFn) -> tuple[str, list[str], bool, int, Tokenized, set[in
 Case = tuple[str, list[str], bool, int, Tokenized, set[int]]
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(case=cases())
 @example(case=("xxabcx", ["abcd", "bc"], False, 0, tokenize(b"xxabcx", range(1, 6)), set()))
 @example(case=("abcd", ["abcd", "bc"], True, 0, tokenize(b"abcd", [2]), set()))
@@ -85,7 +86,7 @@ def test_output_is_text_cut_at_the_earliest_match(case: Case) -> None:
         assert route(whole.events).content == text[:cut]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(case=cases())
 def test_held_from_and_minimal_holding(case: Case) -> None:
     _, stop, _, min_tokens, tokenized, _ = case
@@ -154,7 +155,7 @@ def test_reasoning_passes_untouched_unless_asked() -> None:
     assert (inside.reasoning, inside.content) == ("no ", "")
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     reasoning=st.text(alphabet="abST<>/", max_size=20),
     answer=st.text(alphabet="abST<>/", max_size=20),

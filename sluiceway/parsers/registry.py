@@ -1,0 +1,181 @@
+"""The parsers by name, and building one choice's text path from request options.
+
+Both registries are read-only mappings built at import time; a request's
+options select from them and :func:`build_pipeline` assembles fresh stages for
+each choice (stages are stateful, so they are never shared).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Protocol, TypeVar
+
+from sluiceway.parsers.detokenizer import TokenTable
+from sluiceway.parsers.pipeline import ChoicePipeline, StopStage, TextStage
+from sluiceway.parsers.reasoning import deepseek_r1, qwen3
+from sluiceway.parsers.stages import ParserError
+from sluiceway.parsers.stop import StopMatcher
+from sluiceway.parsers.tools import hermes, qwen3_coder
+from sluiceway.parsers.tools.base import ToolSchema
+
+__all__ = [
+    "REASONING_PARSERS",
+    "TOOL_PARSERS",
+    "PrimedStage",
+    "TextPathOptions",
+    "ToolParserFactory",
+    "ToolSchema",
+    "UnknownParserError",
+    "build_pipeline",
+    "build_stages",
+    "detect_parsers",
+    "forced_tool_prefix",
+]
+
+
+_T = TypeVar("_T")
+
+
+class UnknownParserError(ParserError, ValueError):
+    """A reasoning or tool parser name that is not registered."""
+
+
+class PrimedStage(TextStage, Protocol):
+    """A stage whose starting state comes from text at the end of the prompt."""
+
+    def prime(self, text: str) -> None: ...
+
+
+class ToolParserFactory(Protocol):
+    def __call__(
+        self, *, tools: tuple[ToolSchema, ...], parallel_tool_calls: bool
+    ) -> PrimedStage: ...
+
+
+REASONING_PARSERS: Mapping[str, Callable[[], PrimedStage]] = MappingProxyType(
+    {"qwen3": qwen3, "deepseek_r1": deepseek_r1}
+)
+
+TOOL_PARSERS: Mapping[str, ToolParserFactory] = MappingProxyType(
+    {"hermes": hermes.hermes, "qwen3_coder": qwen3_coder.qwen3_coder}
+)
+
+_FORCED_PREFIXES: Mapping[str, Callable[[str | None], str]] = MappingProxyType(
+    {"hermes": hermes.forced_prefix, "qwen3_coder": qwen3_coder.forced_prefix}
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TextPathOptions:
+    """Everything of a request that shapes one choice's text path."""
+
+    reasoning_parser: str | None = None  # "qwen3" | "deepseek_r1"
+    tool_parser: str | None = None  # "hermes" | "qwen3_coder"; None = no tool parsing
+    tools: tuple[ToolSchema, ...] = ()
+    parallel_tool_calls: bool = True
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    stop_in_reasoning: bool = False
+    assistant_prefix: str = ""  # primes the reasoning parser
+    forced_prefix: str = ""  # appended to the prompt to force a tool call; primes both parsers
+
+
+def build_stages(options: TextPathOptions) -> tuple[tuple[TextStage, ...], StopStage | None]:
+    """Fresh, primed stages in pipeline order (reasoning, stop, tools), and the stop stage."""
+    stages: list[TextStage] = []
+    if options.reasoning_parser is not None:
+        reasoning = _lookup(REASONING_PARSERS, options.reasoning_parser, "reasoning")()
+        reasoning.prime(options.assistant_prefix + options.forced_prefix)
+        stages.append(reasoning)
+    stop: StopStage | None = None
+    if options.stop:
+        stop = StopMatcher(
+            options.stop,
+            include_stop_str_in_output=options.include_stop_str_in_output,
+            min_tokens=options.min_tokens,
+            match_in_reasoning=options.stop_in_reasoning,
+        )
+        stages.append(stop)
+    if options.tool_parser is not None:
+        factory = _lookup(TOOL_PARSERS, options.tool_parser, "tool")
+        tools = factory(tools=options.tools, parallel_tool_calls=options.parallel_tool_calls)
+        tools.prime(options.forced_prefix)
+        stages.append(tools)
+    return tuple(stages), stop
+
+
+def build_pipeline(table: TokenTable, options: TextPathOptions) -> ChoicePipeline:
+    """One choice's text path; with default options exactly ``ChoicePipeline(table)``."""
+    stages, stop = build_stages(options)
+    return ChoicePipeline(table, stages, stop=stop)
+
+
+def forced_tool_prefix(tool_parser: str, name: str | None) -> str:
+    """The assistant prefix that forces a tool call: any tool (``None``, i.e.
+    ``tool_choice: "required"``) or the named function."""
+    return _lookup(_FORCED_PREFIXES, tool_parser, "tool")(name)
+
+
+def detect_parsers(
+    chat_template: str | None, vocabulary: Collection[str]
+) -> tuple[str | None, str | None]:
+    """The (reasoning, tool) parsers a model's template and vocabulary call for,
+    each only where the evidence is unambiguous (else ``None``)."""
+    if not chat_template:
+        return None, None
+    return _detect_reasoning(chat_template, vocabulary), _detect_tools(chat_template, vocabulary)
+
+
+def _detect_reasoning(template: str, vocabulary: Collection[str]) -> str | None:
+    if "<think>" not in vocabulary or "</think>" not in vocabulary or "think" not in template:
+        return None
+    return "deepseek_r1" if _always_opens_think(template) else "qwen3"
+
+
+def _detect_tools(template: str, vocabulary: Collection[str]) -> str | None:
+    if "<tool_call>" not in vocabulary or "<tool_call>" not in template:
+        return None
+    return "qwen3_coder" if "<function=" in template else "hermes"
+
+
+def _always_opens_think(template: str) -> bool:
+    """Whether the generation prompt opens ``<think>`` whatever the thinking switch says."""
+    prefixes = [_generation_prefix(template, thinking) for thinking in (None, True, False)]
+    rendered = [prefix for prefix in prefixes if prefix is not None]
+    return bool(rendered) and all(
+        prefix.rfind("<think>") > prefix.rfind("</think>") for prefix in rendered
+    )
+
+
+def _generation_prefix(template: str, enable_thinking: bool | None) -> str | None:
+    """What the template adds for ``add_generation_prompt`` (None when it cannot render)."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment.globals["raise_exception"] = raise_exception
+    messages = [{"role": "user", "content": "hi"}]
+    extra: dict[str, bool] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    try:
+        compiled = environment.from_string(template)
+        without = compiled.render(messages=messages, add_generation_prompt=False, **extra)
+        with_prompt = compiled.render(messages=messages, add_generation_prompt=True, **extra)
+    except TemplateError:
+        return None
+    if not with_prompt.startswith(without):
+        return None
+    return with_prompt[len(without) :]
+
+
+def _lookup(registry: Mapping[str, _T], name: str, kind: str) -> _T:
+    try:
+        return registry[name]
+    except KeyError:
+        known = ", ".join(sorted(registry))
+        raise UnknownParserError(f"unknown {kind} parser {name!r} (known: {known})") from None
