@@ -104,10 +104,15 @@ class StopMatcher(SpanStage):
         self._state = state
 
     def _pass(self, event: Event, out: list[Event]) -> None:
-        if self._state is StopState.MATCHED:
-            if isinstance(event, Span) and event.text:
-                out.append(dropped(event.token, event.text, None))
-            return
+        # After the stop, visible text is removed; text dropped upstream keeps
+        # its markup (a </think> is still reasoning markup).
+        if (
+            self._state is StopState.MATCHED
+            and isinstance(event, Span)
+            and event.channel is not Channel.DROPPED
+            and event.text
+        ):
+            event = dropped(event.token, event.text, None)
         out.append(event)
 
     def _feed_text(self, span: Span, out: list[Event]) -> None:

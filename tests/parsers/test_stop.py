@@ -200,3 +200,12 @@ def test_passing_event_ends_a_candidate() -> None:
     out = matcher.feed([content(0, "a"), dropped(1, "<x>", Channel.REASONING), content(2, "b")])
     assert route(out).content == "ab"
     assert matcher.matched is None
+
+
+def test_after_the_match_upstream_markup_keeps_its_label() -> None:
+    matcher = StopMatcher(["x"], match_in_reasoning=True)
+    out = matcher.feed(
+        [Span(0, "ax", Channel.REASONING), dropped(1, "</think>", Channel.REASONING)]
+    )
+    assert out[-1] == dropped(1, "</think>", Channel.REASONING)
+    assert matcher.feed([content(2, "b")]) == [dropped(2, "b", None)]
