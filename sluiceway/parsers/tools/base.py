@@ -181,16 +181,17 @@ class ToolCallParser(SpanStage, Generic[P]):
                 position = self._step(token, text, position, out)
 
     def _flush(self, out: list[Event]) -> None:
-        while self._phase is not self._grammar.text and not self._committed:
+        # An uncommitted envelope is content; reading it again may hold
+        # another one, so repeat (each round releases at least one character).
+        while self._phase is not self._grammar.text and not self._committed and self._held:
             self._break_uncommitted(out)
-        if self._phase is self._grammar.text:
-            out.extend(_content_or_dropped(self._scanner.finish()))
-        else:
+        if self._committed:
             # The rest of a literal in progress is envelope markup of a
             # committed call: it cannot become anything else any more.
             self._literal = ""
-            out.extend(spans_of(self._held.take_all(), Channel.DROPPED, Channel.TOOL_CALL))
+            out.extend(self._markup(self._held.take_all()))
             self._flush_call(out)
+        out.extend(_content_or_dropped(self._scanner.finish()))
 
     @property
     def _committed(self) -> bool:

@@ -210,14 +210,11 @@ class HermesParser(ToolCallParser[HermesPhase]):
         if text[end] == '"' and self._held.length > self._name_from:
             name_from = self._name_from
             self._enter(_P.ARGUMENTS_COMMA)
-            self._commit_name(name_from, token, out)
+            self._commit(name_from, out)
+            out.append(dropped(token, '"', Channel.TOOL_CALL))
             return end + 1
         self._break(token, out)
         return end
-
-    def _commit_name(self, name_from: int, token: int, out: list[Event]) -> None:
-        self._commit(name_from, out)
-        out.extend(self._markup_text(token, '"'))
 
     def _on_arguments_start(self, token: int, text: str, position: int, out: list[Event]) -> int:
         char = text[position]
@@ -238,9 +235,6 @@ class HermesParser(ToolCallParser[HermesPhase]):
         if done:
             self._enter(_P.CLOSE_BRACE)
         return end
-
-    def _markup_text(self, token: int, text: str) -> list[Event]:
-        return [dropped(token, text, Channel.TOOL_CALL)]
 
 
 def hermes(*, tools: tuple[ToolSchema, ...] = (), parallel_tool_calls: bool = True) -> HermesParser:
