@@ -30,6 +30,7 @@ import anyio
 
 from sluiceway.actors import output
 from sluiceway.actors.emitters.chat import ChatReplyConfig, ChatStreamEncoder
+from sluiceway.actors.engine_work import EngineThread
 from sluiceway.actors.output import OutputConfig
 from sluiceway.actors.scheduler import SchedulerConfig, SchedulerHandle
 from sluiceway.engines.default_model import (
@@ -150,8 +151,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     args = parser.parse_args()
     source = resolve_model(str(build_model()))
-    engine = make_engine(args.engine, source)
-    model = LoadedModel(source, ModelTokenizer(source.path, engine.info.vocab_size), engine, 0)
+    thread = EngineThread()
+    engine = anyio.run(thread.run, make_engine, args.engine, source)
+    tokenizer = ModelTokenizer(source.path, engine.info.vocab_size)
+    model = LoadedModel(source, tokenizer, engine, 0, thread)
     print(f"engine {engine.info.name}/{engine.info.device}, vocab {engine.info.vocab_size}")
     run: Callable[..., float] = lambda *a: anyio.run(throughput, model, *a)  # noqa: E731
     run(True, LogprobParams(), 1, 8)  # warm-up

@@ -1,16 +1,23 @@
 """The scheduler actor: owns the engine, admits requests, runs the batch.
 
-Theory of operation. Requests wait in a queue; between decode steps the
-scheduler admits as many as fit (``max_num_seqs`` rows), prefills each (a
-request's ``n`` choices share one prefill and fork), and then decodes every
-running row in one engine call. The logits of newly prefilled rows and of the
-decoded rows go to the sampler as one step; the sampled ids come back (through
-the logprob reducer when it is wired) and are fanned out to each request's
-output channel. Rows that finish, and requests that are cancelled, leave
-before the next step and their KV cache is freed.
+Theory of operation. Requests wait in a bounded queue. Each step the scheduler
+plans, on the event loop, the engine work of one step, and runs it in one
+worker-thread call (``engine_work.execute``):
 
-Every engine call runs in a worker thread; engine state is only touched from
-there, one call at a time.
+- free the KV cache of rows that finished or were cancelled;
+- prefill up to ``prefill_chunk_tokens`` prompt tokens: first the prompts
+  already being prefilled, then newly admitted ones while rows are free (a
+  request reserves its ``n`` rows when admitted; its choices share one prefill
+  and fork the cache after the last chunk), so a long prompt never stalls the
+  running streams for more than one chunk;
+- decode every running row in one batched call.
+
+The logits of rows whose prompt just completed and of the decoded rows go to
+the sampler as one step; the sampled ids come back (through the logprob
+reducer when it is wired) and are fanned out to each request's output
+channel. Rows that finish, and requests that are cancelled, leave before the
+next step. Engine state is only touched from that worker thread, one call at
+a time.
 """
 
 from __future__ import annotations
@@ -19,17 +26,21 @@ import contextlib
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import anyio
 import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from sluiceway.actors.logprobs import reduce_targets
-from sluiceway.engines.base import DecodeResult, Engine
+from sluiceway.actors.engine_work import (
+    EngineThread,
+    PrefillWork,
+    StepOutcome,
+    StepPlan,
+    execute,
+)
+from sluiceway.engines.base import Engine
 from sluiceway.protocol.errors import Overloaded
 from sluiceway.protocol.messages import (
     Cancel,
@@ -51,17 +62,13 @@ from sluiceway.protocol.messages import (
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-#: Prompt positions whose full logits are held at once while scoring a prompt.
-PROMPT_SCORING_CHUNK = 256
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
     eos_ids: frozenset[int]
     max_num_seqs: int = 32
     max_queued_requests: int = 256
+    prefill_chunk_tokens: int = 512
 
 
 @dataclass(slots=True)
@@ -78,6 +85,10 @@ class _Choice:
 class _Request:
     submit: Submit
     choices: dict[int, _Choice] = field(default_factory=dict)
+    #: Slots reserved at admission; the first one is prefilled, the others are forks.
+    slots: tuple[int, ...] = ()
+    prefilled: int = 0
+    scores: list[TokenLogprob | None] | None = None
 
     @property
     def spec(self) -> GenerationRequest:
@@ -92,6 +103,7 @@ class SchedulerHandle:
     ) -> None:
         self._inbox = inbox
         self._config = config
+        #: Requests submitted and not yet admitted (in the inbox or the queue).
         self.queued = 0
         self.running_requests = 0
         self.running_rows = 0
@@ -128,11 +140,19 @@ def open_inbox(
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, config: SchedulerConfig, handle: SchedulerHandle) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        thread: EngineThread,
+        config: SchedulerConfig,
+        handle: SchedulerHandle,
+    ) -> None:
         self._engine = engine
+        self._thread = thread
         self._config = config
         self._handle = handle
         self._waiting: deque[_Request] = deque()
+        self._prefilling: list[_Request] = []
         self._requests: dict[str, _Request] = {}
         self._rows: dict[int, _Choice] = {}
         self._to_free: list[int] = []
@@ -154,14 +174,17 @@ class Scheduler:
                         except anyio.EndOfStream:
                             return
                     self._drain(inbox)
-                    if self._busy():
-                        await self._run_step(to_sampler, from_sampler)
+                    plan = self._plan()
+                    if plan is not None:
+                        outcome = await self._thread.run(execute, self._engine, plan)
+                        await self._sample(self._absorb(plan, outcome), to_sampler, from_sampler)
                     self._publish_counters()
             finally:
                 with anyio.CancelScope(shield=True):
                     for request in list(self._requests.values()):
                         self._close(request)
-                    await self._engine_call(self._flush_frees)
+                    plan = StepPlan(frees=self._take_frees())
+                    await self._thread.run(execute, self._engine, plan)
 
     # --- commands ---------------------------------------------------------
 
@@ -174,7 +197,6 @@ class Scheduler:
 
     def _handle_command(self, command: SchedulerCommand) -> None:
         if isinstance(command, Submit):
-            self._handle.queued -= 1
             admitted = _Request(command)
             self._requests[command.request.request_id] = admitted
             self._waiting.append(admitted)
@@ -187,71 +209,119 @@ class Scheduler:
         elif (choice := request.choices.get(command.choice)) is not None:
             self._drop_choice(request, choice)
 
-    # --- one step ---------------------------------------------------------
+    # --- planning -----------------------------------------------------------
 
     def _busy(self) -> bool:
-        return bool(self._rows) or self._can_admit()
+        return bool(self._rows or self._prefilling or self._to_free) or self._can_admit()
+
+    def _reserved_rows(self) -> int:
+        return len(self._rows) + sum(r.spec.n for r in self._prefilling)
 
     def _can_admit(self) -> bool:
         if not self._waiting:
             return False
-        return len(self._rows) + self._waiting[0].spec.n <= self._config.max_num_seqs or not (
-            self._rows
+        reserved = self._reserved_rows()
+        return reserved == 0 or reserved + self._waiting[0].spec.n <= self._config.max_num_seqs
+
+    def _plan(self) -> StepPlan | None:
+        budget = self._config.prefill_chunk_tokens
+        prefills = []
+        for request in self._prefilling:
+            if budget <= 0:
+                break
+            work = self._next_chunk(request, budget)
+            budget -= len(work.tokens)
+            prefills.append(work)
+        while budget > 0 and self._can_admit():
+            request = self._admit(self._waiting.popleft())
+            work = self._next_chunk(request, budget)
+            budget -= len(work.tokens)
+            prefills.append(work)
+        decode = {c.slot: c.last_token for c in self._rows.values() if c.generated > 0}
+        frees = self._take_frees()
+        if not (frees or prefills or decode):
+            return None
+        return StepPlan(frees=frees, prefills=tuple(prefills), decode=decode)
+
+    def _admit(self, request: _Request) -> _Request:
+        self._handle.queued -= 1
+        request.slots = tuple(self._new_slot() for _ in range(request.spec.n))
+        if request.spec.logprobs.prompt_top is not None:
+            request.scores = [None]
+        self._prefilling.append(request)
+        return request
+
+    def _next_chunk(self, request: _Request, budget: int) -> PrefillWork:
+        prompt = request.spec.prompt_ids
+        start = request.prefilled
+        end = min(len(prompt), start + budget)
+        request.prefilled = end
+        final = end == len(prompt)
+        top = request.spec.logprobs.prompt_top
+        return PrefillWork(
+            request_id=request.spec.request_id,
+            slot=request.slots[0],
+            tokens=prompt[start:end],
+            final=final,
+            top=top,
+            targets=prompt[start + 1 : end + 1] if top is not None else (),
+            forks=request.slots[1:] if final else (),
         )
 
-    async def _run_step(
-        self,
-        to_sampler: ObjectSendStream[LogitsStep],
-        from_sampler: ObjectReceiveStream[SampledStep],
-    ) -> None:
-        running = [choice for choice in self._rows.values() if choice.generated > 0]
-        admitted: list[tuple[_Choice, np.ndarray]] = []
-        while self._can_admit():
-            admitted.extend(await self._admit(self._waiting.popleft()))
-        rows: list[_Choice] = [choice for choice, _ in admitted]
-        blocks = [logits for _, logits in admitted]
-        if running:
-            tokens = {choice.slot: choice.last_token for choice in running}
-            try:
-                result = await self._engine_call(self._decode, tokens)
-            except Exception as error:  # an engine failure ends the batch, not the server
-                logger.exception("decode failed")
-                for choice in running:
-                    self._fail(choice.request, f"decode failed: {error}")
-                running = []
-            else:
-                rows.extend(self._rows[slot] for slot in result.slots)
-                blocks.append(result.logits)
-        if not rows:
-            return
-        logits = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
-        self._step += 1
-        await to_sampler.send(
-            LogitsStep(step=self._step, rows=tuple(self._row(c) for c in rows), logits=logits)
-        )
-        sampled = await from_sampler.receive()
-        self._apply(rows, sampled)
+    # --- after the engine ---------------------------------------------------
 
-    async def _admit(self, request: _Request) -> list[tuple[_Choice, np.ndarray]]:
-        spec = request.spec
-        slots = [self._new_slot() for _ in range(spec.n)]
-        try:
-            logits, scores = await self._engine_call(
-                self._prefill, slots, spec.prompt_ids, spec.logprobs.prompt_top
-            )
-        except Exception as error:
-            logger.exception("prefill failed")
-            self._fail(request, f"prefill failed: {error}")
-            return []
-        if scores is not None:
-            self._deliver(request, PromptScores(entries=scores))
-        admitted = []
-        for index, slot in enumerate(slots):
+    def _absorb(self, plan: StepPlan, outcome: StepOutcome) -> _Batch:
+        """Bring the step's results in; return the rows to sample, with logits."""
+        rows = _Batch()
+        for work, result in zip(plan.prefills, outcome.prefills, strict=True):
+            request = self._requests.get(work.request_id)
+            if request is None:
+                continue
+            if result.error is not None:
+                self._fail(request, result.error)
+                continue
+            if request.scores is not None:
+                request.scores += result.scores
+            if work.final and result.logits is not None:
+                for choice in self._start_choices(request):
+                    rows.add([choice], result.logits)
+        if outcome.decode_error is not None:
+            for choice in [c for c in self._rows.values() if c.generated > 0]:
+                if choice.request.spec.request_id in self._requests:
+                    self._fail(choice.request, outcome.decode_error)
+        elif outcome.decode is not None:
+            rows.add([self._rows[s] for s in outcome.decode.slots], outcome.decode.logits)
+        return rows
+
+    def _start_choices(self, request: _Request) -> list[_Choice]:
+        self._prefilling.remove(request)
+        if request.scores is not None:
+            self._deliver(request, PromptScores(entries=tuple(request.scores)))
+            request.scores = None
+        started = []
+        for index, slot in enumerate(request.slots):
             choice = _Choice(request=request, index=index, slot=slot)
             request.choices[index] = choice
             self._rows[slot] = choice
-            admitted.append((choice, logits))
-        return admitted
+            started.append(choice)
+        return started
+
+    async def _sample(
+        self,
+        rows: _Batch,
+        to_sampler: ObjectSendStream[LogitsStep],
+        from_sampler: ObjectReceiveStream[SampledStep],
+    ) -> None:
+        if not rows.choices:
+            return
+        self._step += 1
+        step = LogitsStep(
+            step=self._step,
+            rows=tuple(self._row(c) for c in rows.choices),
+            logits=rows.logits(),
+        )
+        await to_sampler.send(step)
+        self._apply(rows.choices, await from_sampler.receive())
 
     def _row(self, choice: _Choice) -> Row:
         spec = choice.request.spec
@@ -321,16 +391,25 @@ class Scheduler:
             self._close(request)
 
     def _close(self, request: _Request) -> None:
+        if self._requests.pop(request.spec.request_id, None) is None:
+            return
         for choice in list(request.choices.values()):
             self._drop_choice(request, choice, close=False)
         if request in self._waiting:
             self._waiting.remove(request)
-        self._requests.pop(request.spec.request_id, None)
+            self._handle.queued -= 1
+        if request in self._prefilling:
+            self._prefilling.remove(request)
+            self._to_free += request.slots
         request.submit.output.close()
 
     def _fail(self, request: _Request, message: str) -> None:
         self._deliver(request, RequestFailed(message=message))
         self._close(request)
+
+    def _take_frees(self) -> tuple[int, ...]:
+        frees, self._to_free = tuple(self._to_free), []
+        return frees
 
     def _publish_counters(self) -> None:
         self._handle.running_requests = len(self._requests) - len(self._waiting)
@@ -340,47 +419,20 @@ class Scheduler:
         self._next_slot += 1
         return self._next_slot
 
-    # --- engine calls (worker thread) ---------------------------------------
 
-    async def _engine_call(self, function: Callable[..., T], *args: object) -> T:
-        return await anyio.to_thread.run_sync(function, *args)
+@dataclass(slots=True)
+class _Batch:
+    """The rows of one sampling step, with their logits as engine blocks."""
 
-    def _flush_frees(self) -> None:
-        slots, self._to_free = self._to_free, []
-        for slot in slots:
-            self._engine.free(slot)
+    choices: list[_Choice] = field(default_factory=list)
+    blocks: list[np.ndarray] = field(default_factory=list)
 
-    def _decode(self, tokens: dict[int, int]) -> DecodeResult:
-        self._flush_frees()
-        return self._engine.decode(tokens)
+    def add(self, choices: list[_Choice], block: np.ndarray) -> None:
+        self.choices += choices
+        self.blocks.append(
+            block if len(choices) == block.shape[0] else np.repeat(block, len(choices), 0)
+        )
 
-    def _prefill(
-        self, slots: Iterable[int], prompt_ids: tuple[int, ...], prompt_top: int | None
-    ) -> tuple[np.ndarray, tuple[TokenLogprob | None, ...] | None]:
-        self._flush_frees()
-        first, *others = slots
-        scores = None
-        if prompt_top is None:
-            logits = self._engine.prefill(first, prompt_ids)
-        else:
-            logits, scores = self._prefill_scoring(first, prompt_ids, prompt_top)
-        for slot in others:
-            self._engine.fork(first, slot)
-        return logits, scores
-
-    def _prefill_scoring(
-        self, slot: int, prompt_ids: tuple[int, ...], top: int
-    ) -> tuple[np.ndarray, tuple[TokenLogprob | None, ...]]:
-        """Prefill in pieces, reducing each piece's logits at once: a long
-        prompt's full-vocabulary logits are never all held together."""
-        entries: list[TokenLogprob | None] = [None]
-        logits = None
-        for start in range(0, len(prompt_ids), PROMPT_SCORING_CHUNK):
-            piece = prompt_ids[start : start + PROMPT_SCORING_CHUNK]
-            every = self._engine.prefill(slot, piece, all_logits=True)
-            targets = prompt_ids[start + 1 : start + 1 + len(piece)]
-            entries += reduce_targets(every, targets, top)
-            logits = every[-1:].copy()
-            del every
-        assert logits is not None
-        return logits, tuple(entries)
+    def logits(self) -> np.ndarray:
+        # The usual step is one decode block, passed on without a copy.
+        return self.blocks[0] if len(self.blocks) == 1 else np.concatenate(self.blocks)

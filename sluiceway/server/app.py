@@ -57,7 +57,7 @@ class SluicewayApp:
         if message["type"] != "lifespan.startup":
             return
         try:
-            model = await anyio.to_thread.run_sync(load_model, self.config)
+            model = await load_model(self.config)
         except Exception as error:
             logger.exception("start-up failed")
             await send({"type": "lifespan.startup.failed", "message": str(error)})
@@ -75,7 +75,8 @@ class SluicewayApp:
             await send({"type": "lifespan.startup.complete"})
             await receive()  # lifespan.shutdown
             group.cancel_scope.cancel()
-        await anyio.to_thread.run_sync(model.engine.close)
+        await model.thread.run(model.engine.close)
+        model.thread.close()
         await send({"type": "lifespan.shutdown.complete"})
 
     def _scheduler_config(self, model: LoadedModel) -> SchedulerConfig:
@@ -83,6 +84,7 @@ class SluicewayApp:
             eos_ids=model.tokenizer.eos_ids,
             max_num_seqs=self.config.max_num_seqs,
             max_queued_requests=self.config.max_queued_requests,
+            prefill_chunk_tokens=self.config.prefill_chunk_tokens,
         )
 
     def _ready(self, model: LoadedModel, handle: SchedulerHandle) -> None:

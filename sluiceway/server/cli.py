@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         "max_body_bytes": "largest request body accepted (413 beyond)",
         "max_num_seqs": "most sequences decoded together in one batch",
         "max_queued_requests": "most requests waiting for a slot (429 beyond)",
+        "prefill_chunk_tokens": "prompt tokens prefilled per step, so running streams keep flowing",
+        "keepalive_seconds": "SSE ': keepalive' comment interval while a streamed request waits",
         "max_top_logprobs": "largest top_logprobs / logprobs / prompt_logprobs accepted",
         "logprobs_mode": "raw: the model's distribution; processed: the one sampled from",
         "return_tokens_as_token_ids": "logprob tokens as 'token_id:N' for every request",
@@ -52,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
             options["action"] = argparse.BooleanOptionalAction
         elif isinstance(default, int):
             options["type"] = int
+        elif isinstance(default, float):
+            options["type"] = float
         serve.add_argument(_flag(spec.name), **options)
     return parser
 

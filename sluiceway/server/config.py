@@ -38,6 +38,8 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_num_seqs: int = 32
     max_queued_requests: int = 256
+    prefill_chunk_tokens: int = 512
+    keepalive_seconds: float = 5.0
     max_top_logprobs: int = 20
     logprobs_mode: Literal["raw", "processed"] = "raw"
     return_tokens_as_token_ids: bool = False
@@ -49,7 +51,15 @@ class ServerConfig:
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}")
-        for name in ("port", "max_body_bytes", "max_num_seqs", "max_queued_requests"):
+        if self.keepalive_seconds <= 0:
+            raise ValueError("keepalive_seconds must be positive")
+        for name in (
+            "port",
+            "max_body_bytes",
+            "max_num_seqs",
+            "max_queued_requests",
+            "prefill_chunk_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if not 0 <= self.max_top_logprobs <= 1000:
@@ -78,6 +88,8 @@ def _coerce(name: str, raw: str, annotation: object) -> object:
     text = str(annotation)
     if text.startswith("int"):
         return int(raw)
+    if text.startswith("float"):
+        return float(raw)
     if text.startswith("bool"):
         if raw.lower() in {"1", "true", "yes", "on"}:
             return True

@@ -95,6 +95,7 @@ async def stream_reply(
     scheduler: Submitter,
     jobs: Sequence[Job],
     encoder: StreamEncoder,
+    keepalive_seconds: float,
 ) -> None:
     """Submit the jobs and stream their SSE frames until done or disconnected."""
     streams = _submit_all(scheduler, jobs)
@@ -103,7 +104,7 @@ async def stream_reply(
     try:
         async with anyio.create_task_group() as group:
             _start_outputs(group, scheduler, jobs, streams, events_send)
-            group.start_soon(stream, events_receive, frames_send, encoder)
+            group.start_soon(stream, events_receive, frames_send, encoder, keepalive_seconds)
             group.start_soon(_cancel_on_disconnect, receive, group.cancel_scope)
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             async with frames_receive:

@@ -19,6 +19,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from sluiceway.actors import reducer, sampler
+from sluiceway.actors.engine_work import EngineThread
 from sluiceway.actors.sampler import SamplerConfig
 from sluiceway.actors.scheduler import Scheduler, SchedulerConfig, SchedulerHandle, open_inbox
 from sluiceway.engines.base import Engine
@@ -37,6 +38,8 @@ class LoadedModel:
     tokenizer: ModelTokenizer
     engine: Engine
     created: int
+    #: The thread the engine was loaded on; all its work runs there.
+    thread: EngineThread
 
 
 def make_engine(choice: str, source: ModelSource) -> Engine:
@@ -47,8 +50,17 @@ def make_engine(choice: str, source: ModelSource) -> Engine:
     return MlxEngine(source)
 
 
-def load_model(config: ServerConfig) -> LoadedModel:
-    """Resolve, load and wrap the model (blocking: call from a worker thread)."""
+async def load_model(config: ServerConfig) -> LoadedModel:
+    """Resolve and load the model on a new engine thread."""
+    thread = EngineThread()
+    try:
+        return await thread.run(_load, config, thread)
+    except BaseException:
+        thread.close()
+        raise
+
+
+def _load(config: ServerConfig, thread: EngineThread) -> LoadedModel:
     spec = config.model
     if spec is None:
         cache_dir = Path(config.cache_dir) if config.cache_dir else None
@@ -65,7 +77,7 @@ def load_model(config: ServerConfig) -> LoadedModel:
         engine.info.dtype,
         time.perf_counter() - started,
     )
-    return LoadedModel(source, tokenizer, engine, int(time.time()))
+    return LoadedModel(source, tokenizer, engine, int(time.time()), thread)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,7 +96,7 @@ async def run_pipeline(
 ) -> None:
     """Run scheduler, sampler and reducer until cancelled."""
     handle, inbox = open_inbox(config)
-    scheduler = Scheduler(model.engine, config, handle)
+    scheduler = Scheduler(model.engine, model.thread, config, handle)
     to_sampler_send, to_sampler_receive = anyio.create_memory_object_stream[LogitsStep](1)
     sampled_send, sampled_receive = anyio.create_memory_object_stream[SampledStep](1)
     async with anyio.create_task_group() as group:

@@ -3,9 +3,11 @@ the thin actor loop that drives an encoder."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Protocol
 
+import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from sluiceway.protocol.messages import EmitterEvent, LogprobEntry, Usage
@@ -20,6 +22,7 @@ from sluiceway.protocol.wire import (
 )
 
 DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keepalive\n\n"
 
 
 def sse(payload: str) -> bytes:
@@ -87,11 +90,25 @@ async def stream(
     receive: ObjectReceiveStream[EmitterEvent],
     send: ObjectSendStream[bytes],
     encoder: StreamEncoder,
+    keepalive_seconds: float = math.inf,
 ) -> None:
-    """The emitter actor: frames each event as it arrives."""
+    """The emitter actor: frames each event as it arrives.
+
+    While no event comes for ``keepalive_seconds`` (a request waiting in the
+    queue, a long prompt being prefilled) it sends an SSE comment, so proxies
+    and clients do not time the stream out.
+    """
     async with receive, send:
         await send.send(encoder.start())
-        async for event in receive:
+        while True:
+            with anyio.move_on_after(keepalive_seconds) as waited:
+                try:
+                    event = await receive.receive()
+                except anyio.EndOfStream:
+                    return
+            if waited.cancelled_caught:
+                await send.send(KEEPALIVE)
+                continue
             frame = encoder.encode(event)
             if frame:
                 await send.send(frame)

@@ -110,7 +110,14 @@ async def handle(state: ServerState, scope: Scope, receive: Receive, send: Send)
     )
     jobs = [Job(generation, config)]
     if request.stream:
-        await stream_reply(receive, send, state.scheduler, jobs, ChatStreamEncoder(reply))
+        await stream_reply(
+            receive,
+            send,
+            state.scheduler,
+            jobs,
+            ChatStreamEncoder(reply),
+            state.config.keepalive_seconds,
+        )
         return
     accumulator = ChatAccumulator(reply)
     if not await collect_reply(receive, state.scheduler, jobs, accumulator.add):

@@ -127,7 +127,14 @@ async def handle(state: ServerState, scope: Scope, receive: Receive, send: Send)
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
     )
     if request.stream:
-        await stream_reply(receive, send, state.scheduler, jobs, CompletionStreamEncoder(reply))
+        await stream_reply(
+            receive,
+            send,
+            state.scheduler,
+            jobs,
+            CompletionStreamEncoder(reply),
+            state.config.keepalive_seconds,
+        )
         return
     accumulator = CompletionAccumulator(reply)
     if not await collect_reply(receive, state.scheduler, jobs, accumulator.add):

@@ -1,0 +1,118 @@
+"""One scheduler step's engine work, run on the engine's own thread.
+
+The scheduler plans a step on the event loop (which slots to free, which
+prompt chunks to prefill, which rows to decode) and this module carries it
+out in one call on the engine thread, so a step costs one thread hop. Each
+part's failure is caught and reported for the requests it concerns: an engine
+error ends those requests, never the server.
+
+All engine work -- loading included -- runs on one dedicated thread: mlx
+binds arrays to the stream of the thread that made them, and torch keeps
+per-thread state, so the engine must not wander between pool threads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import ParamSpec, TypeVar
+
+import anyio
+import numpy as np
+
+from sluiceway.actors.logprobs import reduce_targets
+from sluiceway.engines.base import DecodeResult, Engine, Logits
+from sluiceway.protocol.messages import TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class EngineThread:
+    """The one thread that runs the engine."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    async def run(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run ``function`` on the engine thread; the caller waits for it to
+        finish even if cancelled, so the engine is never left mid-call."""
+        future = self._executor.submit(function, *args, **kwargs)
+        return await anyio.to_thread.run_sync(future.result)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillWork:
+    """One chunk of one prompt. ``targets`` are the prompt tokens that follow
+    each position of the chunk, scored when ``top`` is set; ``forks`` are the
+    slots the prefilled slot is copied into after its final chunk."""
+
+    request_id: str
+    slot: int
+    tokens: tuple[int, ...]
+    final: bool
+    top: int | None = None
+    targets: tuple[int, ...] = ()
+    forks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepPlan:
+    frees: tuple[int, ...] = ()
+    prefills: tuple[PrefillWork, ...] = ()
+    decode: Mapping[int, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PrefillOutcome:
+    logits: Logits | None = None
+    scores: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    prefills: list[PrefillOutcome]
+    decode: DecodeResult | None = None
+    decode_error: str | None = None
+
+
+def execute(engine: Engine, plan: StepPlan) -> StepOutcome:
+    for slot in plan.frees:
+        engine.free(slot)
+    outcome = StepOutcome(prefills=[_prefill(engine, work) for work in plan.prefills])
+    if plan.decode:
+        try:
+            outcome.decode = engine.decode(plan.decode)
+        except Exception as error:  # reported to the requests in the batch
+            logger.exception("decode failed")
+            outcome.decode_error = f"decode failed: {error}"
+    return outcome
+
+
+def _prefill(engine: Engine, work: PrefillWork) -> PrefillOutcome:
+    outcome = PrefillOutcome()
+    try:
+        if work.top is None:
+            logits = engine.prefill(work.slot, work.tokens)
+        else:
+            every = engine.prefill(work.slot, work.tokens, all_logits=True)
+            # Reduced at once: a prompt's full logits are never all held.
+            outcome.scores = reduce_targets(every, work.targets, work.top)
+            logits = np.ascontiguousarray(every[-1:])
+            del every
+        if work.final:
+            outcome.logits = logits
+            for slot in work.forks:
+                engine.fork(work.slot, slot)
+    except Exception as error:  # reported to this request only
+        logger.exception("prefill failed")
+        outcome.error = f"prefill failed: {error}"
+    return outcome
