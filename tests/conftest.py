@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from sluiceway.engines.default_model import default_model_dir
-from tests.fixtures.scripted_model import EXAMPLE_SCRIPTS, ScriptedModel, build_scripted_model
+from tests.e2e.scripts import ALL_SCRIPTS
+from tests.fixtures.scripted_model import ScriptedModel, build_scripted_model
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -24,5 +25,5 @@ def default_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def scripted(tmp_path_factory: pytest.TempPathFactory) -> ScriptedModel:
-    """A real Qwen3 model whose greedy decoding follows the example scripts."""
-    return build_scripted_model(tmp_path_factory.mktemp("scripted"), EXAMPLE_SCRIPTS)
+    """A real Qwen3 model whose greedy decoding follows the scripts in tests/e2e/scripts.py."""
+    return build_scripted_model(tmp_path_factory.mktemp("scripted"), ALL_SCRIPTS)

@@ -129,6 +129,10 @@ class ChoiceOutput:
     def _finish(self, cause: FinishCause, matched: str | int | None) -> list[ChoiceDelta]:
         self.finished = True
         done = self.pipeline.finish()
+        if self.pipeline.stopped_by is not None:
+            # A shorter stop string can only win when the output ends (a
+            # longer, earlier-starting one could still have matched).
+            cause, matched = FinishCause.STOP_STRING, self.pipeline.stopped_by
         deltas = self._deltas(done.chunks)
         final = self._delta(done.final)
         reason = cause.finish_reason

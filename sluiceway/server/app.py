@@ -24,6 +24,7 @@ from sluiceway.server.http import (
     send_error,
     send_server_error,
 )
+from sluiceway.server.parsing import choose_parsers
 from sluiceway.server.routing import Handler, Router
 from sluiceway.server.runtime import LoadedModel, PipelineOptions, load_model, run_pipeline
 from sluiceway.server.state import ServerState
@@ -88,7 +89,9 @@ class SluicewayApp:
         )
 
     def _ready(self, model: LoadedModel, handle: SchedulerHandle) -> None:
-        state = ServerState(self.config, model, handle)
+        state = ServerState(
+            self.config, model, handle, choose_parsers(self.config, model.tokenizer)
+        )
         self.state = state
 
         def bind(handler: StateHandler) -> Handler:

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         "logprobs_mode": "raw: the model's distribution; processed: the one sampled from",
         "return_tokens_as_token_ids": "logprob tokens as 'token_id:N' for every request",
         "reasoning_field": "delta/message field(s) that carry reasoning text",
+        "reasoning_parser": "how reasoning is told from content (auto: from the chat template)",
+        "tool_call_parser": "how tool calls are parsed (auto: from the chat template)",
+        "stop_in_reasoning": "match stop strings inside reasoning too",
         "cache_dir": "where the default model is built (default: $XDG_CACHE_HOME/sluiceway)",
         "log_level": "logging level",
     }

@@ -18,6 +18,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "worker_class": ("asyncio", "trio"),
     "logprobs_mode": ("raw", "processed"),
     "reasoning_field": ("reasoning_content", "reasoning", "both"),
+    "reasoning_parser": ("auto", "none", "qwen3", "deepseek_r1"),
+    "tool_call_parser": ("auto", "none", "hermes", "qwen3_coder"),
     "log_level": ("debug", "info", "warning", "error"),
 }
 
@@ -44,6 +46,9 @@ class ServerConfig:
     logprobs_mode: Literal["raw", "processed"] = "raw"
     return_tokens_as_token_ids: bool = False
     reasoning_field: Literal["reasoning_content", "reasoning", "both"] = "reasoning_content"
+    reasoning_parser: str = "auto"
+    tool_call_parser: str = "auto"
+    stop_in_reasoning: bool = False
     cache_dir: str | None = None
     log_level: str = "info"
 

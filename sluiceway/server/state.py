@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from sluiceway.actors.scheduler import SchedulerHandle
 from sluiceway.server.config import ServerConfig
+from sluiceway.server.parsing import ParserChoice
 from sluiceway.server.runtime import LoadedModel
 
 
@@ -15,6 +16,7 @@ class ServerState:
     config: ServerConfig
     model: LoadedModel
     scheduler: SchedulerHandle
+    parsers: ParserChoice
 
     @property
     def model_name(self) -> str:

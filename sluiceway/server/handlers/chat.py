@@ -3,21 +3,33 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
 from sluiceway.actors.emitters.chat import ChatAccumulator, ChatReplyConfig, ChatStreamEncoder
-from sluiceway.engines.tokenizer import ChatRender
-from sluiceway.parsers.pipeline import ChoicePipeline
-from sluiceway.protocol.chat import ChatRequest
+from sluiceway.parsers.registry import (
+    TextPathOptions,
+    ToolSchema,
+    build_pipeline,
+    forced_tool_prefix,
+)
+from sluiceway.protocol.chat import ChatRequest, NamedToolChoice
 from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.protocol.messages import GenerationRequest
 from sluiceway.server import validation
 from sluiceway.server.exchange import Job, collect_reply, stream_reply
 from sluiceway.server.handlers.common import output_config
 from sluiceway.server.http import Receive, Scope, Send, parse_json, read_body, send_json_text
+from sluiceway.server.parsing import reasoning_left_open
 from sluiceway.server.state import ServerState, new_id
+
+
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    ids: list[int]
+    options: TextPathOptions
 
 
 def _template_messages(request: ChatRequest) -> list[dict[str, Any]]:
@@ -40,19 +52,69 @@ def _template_messages(request: ChatRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _render(state: ServerState, request: ChatRequest) -> tuple[ChatRender, list[int]]:
+def _tool_mode(state: ServerState, request: ChatRequest) -> tuple[bool, str | None]:
+    """Whether tool calls are parsed, and the function a call is forced to
+    (``""`` for ``required``: any function)."""
+    choice = request.tool_choice
+    if not request.tools:
+        if choice is not None and choice != "none":
+            raise InvalidRequest("tool_choice needs tools", param="tool_choice")
+        return False, None
+    if choice == "none":
+        return False, None
+    if state.parsers.tools is None:
+        raise InvalidRequest(
+            "this server has no tool-call parser for this model (start it with --tool-call-parser)",
+            param="tools",
+        )
+    if isinstance(choice, NamedToolChoice):
+        names = {tool.function.name for tool in request.tools}
+        if choice.function.name not in names:
+            raise InvalidRequest(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                param="tool_choice",
+            )
+        return True, choice.function.name
+    return True, "" if choice == "required" else None
+
+
+def _render(state: ServerState, request: ChatRequest, stops: tuple[str, ...]) -> _Prompt:
     tokenizer = state.model.tokenizer
+    parse_tools, forced = _tool_mode(state, request)
+    offered = request.tools if request.tool_choice != "none" else None
     try:
         rendered = tokenizer.render_chat(
             _template_messages(request),
-            tools=[tool.model_dump(exclude_none=True) for tool in request.tools or ()],
+            tools=[tool.model_dump(exclude_none=True) for tool in offered or ()],
             template_kwargs=request.chat_template_kwargs,
         )
     except Exception as error:  # template errors are the conversation's fault
         raise InvalidRequest(
             f"the chat template could not render these messages: {error}", param="messages"
         ) from error
-    return rendered, tokenizer.encode(rendered.text)
+    reasoning = state.parsers.reasoning
+    forced_prefix = ""
+    if forced is not None and state.parsers.tools is not None:
+        # A forced call cannot start inside reasoning: close it first.
+        if reasoning_left_open(reasoning, rendered.assistant_prefix):
+            forced_prefix = "</think>\n\n"
+        forced_prefix += forced_tool_prefix(state.parsers.tools, forced or None)
+    options = TextPathOptions(
+        reasoning_parser=reasoning,
+        tool_parser=state.parsers.tools if parse_tools else None,
+        tools=tuple(
+            ToolSchema(name=tool.function.name, parameters=tool.function.parameters or {})
+            for tool in request.tools or ()
+        ),
+        parallel_tool_calls=request.parallel_tool_calls,
+        stop=stops,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        min_tokens=request.min_tokens,
+        stop_in_reasoning=state.config.stop_in_reasoning,
+        assistant_prefix=rendered.assistant_prefix,
+        forced_prefix=forced_prefix,
+    )
+    return _Prompt(tokenizer.encode(rendered.text + forced_prefix), options)
 
 
 def _check(state: ServerState, request: ChatRequest) -> None:
@@ -71,7 +133,8 @@ async def handle(state: ServerState, scope: Scope, receive: Receive, send: Send)
     body = await read_body(scope, receive, state.config.max_body_bytes)
     request = validation.parse_request(ChatRequest, parse_json(body))
     _check(state, request)
-    _, prompt_ids = await anyio.to_thread.run_sync(_render, state, request)
+    stops = validation.stop_strings(request.stop)
+    prompt = await anyio.to_thread.run_sync(_render, state, request, stops)
     per_token = request.logprobs or bool(request.logprob_token_ids)
     logprobs = validation.logprob_params(
         top=(request.top_logprobs or 0) if per_token else None,
@@ -83,7 +146,7 @@ async def handle(state: ServerState, scope: Scope, receive: Receive, send: Send)
     )
     generation = GenerationRequest(
         request_id=new_id("chatcmpl"),
-        prompt_ids=tuple(prompt_ids),
+        prompt_ids=tuple(prompt.ids),
         n=request.n,
         sampling=validation.sampling_params(request, state.vocab_size),
         logprobs=logprobs,
@@ -91,13 +154,16 @@ async def handle(state: ServerState, scope: Scope, receive: Receive, send: Send)
             request,
             requested_max=request.max_completion_tokens or request.max_tokens,
             max_param="max_completion_tokens",
-            prompt_tokens=len(prompt_ids),
+            prompt_tokens=len(prompt.ids),
             max_context=state.max_context,
             vocab_size=state.vocab_size,
         ),
     )
     table = state.model.tokenizer.table
-    config = output_config(state, generation, request, make_pipeline=lambda: ChoicePipeline(table))
+    options = prompt.options
+    config = output_config(
+        state, generation, request, make_pipeline=lambda: build_pipeline(table, options)
+    )
     reply = ChatReplyConfig(
         completion_id=generation.request_id,
         created=int(time.time()),
@@ -110,14 +176,9 @@ async def handle(state: ServerState, scope: Scope, receive: Receive, send: Send)
     )
     jobs = [Job(generation, config)]
     if request.stream:
-        await stream_reply(
-            receive,
-            send,
-            state.scheduler,
-            jobs,
-            ChatStreamEncoder(reply),
-            state.config.keepalive_seconds,
-        )
+        encoder = ChatStreamEncoder(reply)
+        keepalive = state.config.keepalive_seconds
+        await stream_reply(receive, send, state.scheduler, jobs, encoder, keepalive)
         return
     accumulator = ChatAccumulator(reply)
     if not await collect_reply(receive, state.scheduler, jobs, accumulator.add):

@@ -11,7 +11,7 @@ from sluiceway.actors.emitters.completions import (
     CompletionReplyConfig,
     CompletionStreamEncoder,
 )
-from sluiceway.parsers.pipeline import ChoicePipeline
+from sluiceway.parsers.registry import TextPathOptions, build_pipeline
 from sluiceway.protocol.completions import CompletionRequest
 from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.protocol.messages import GenerationRequest
@@ -101,6 +101,11 @@ async def handle(state: ServerState, scope: Scope, receive: Receive, send: Send)
     _check(state, request)
     prompts = await anyio.to_thread.run_sync(prompt_ids, state, request)
     table = state.model.tokenizer.table
+    options = TextPathOptions(
+        stop=validation.stop_strings(request.stop),
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        min_tokens=request.min_tokens,
+    )
     jobs = []
     for index, ids in enumerate(prompts):
         generation = _generation(state, request, ids)
@@ -108,7 +113,7 @@ async def handle(state: ServerState, scope: Scope, receive: Receive, send: Send)
             state,
             generation,
             request,
-            make_pipeline=lambda: ChoicePipeline(table),
+            make_pipeline=lambda: build_pipeline(table, options),
             index_offset=index * request.n,
         )
         jobs.append(Job(generation, config))

@@ -1,0 +1,22 @@
+"""Scripts the end-to-end scripted model follows, beyond the fixture's examples."""
+
+from __future__ import annotations
+
+from tests.fixtures.scripted_model import EXAMPLE_SCRIPTS, Script
+
+#: Continues the prefix that forces ``get_weather`` (tool_choice by name).
+FORCED_NAMED = Script(
+    "named",
+    (
+        "<tool_call>", "\n", '{"name": ', '"get_weather"', ', "arguments": ',
+        '{"city": "Oslo"}', "}", "\n</tool_call>",
+    ),
+)  # fmt: skip
+
+#: Continues the prefix that forces some call (tool_choice "required").
+FORCED_REQUIRED = Script(
+    "required",
+    ("<tool_call>", "\n", '{"name": "', "get_time", '", "arguments": ', '{"tz": "UTC"}', "}\n", "</tool_call>"),
+)  # fmt: skip
+
+ALL_SCRIPTS = (*EXAMPLE_SCRIPTS, FORCED_NAMED, FORCED_REQUIRED)
