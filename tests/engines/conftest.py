@@ -51,8 +51,9 @@ def reference(tiny_model: ModelSource) -> Any:
     """The same model in plain transformers: the oracle both engines are held to."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model.path), local_files_only=True)
-    return model.eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(str(tiny_model.path), local_files_only=True)
+    model.eval()
+    return model
 
 
 @pytest.fixture(params=ENGINES)

@@ -54,14 +54,21 @@ def run_schedule(
     joins: Mapping[int, Sequence[int]],
     leaves: Mapping[int, Sequence[int]],
     steps: int,
-) -> dict[int, Trace]:
-    """Decode ``steps`` batched steps; before step ``s`` free ``leaves[s]``, then prefill ``joins[s]``."""
+) -> list[tuple[int, Trace]]:
+    """Decode ``steps`` batched steps; before step ``s`` free ``leaves[s]``, then prefill ``joins[s]``.
+
+    A row that runs from the first step to the end gets ``steps + 1`` tokens (one from prefill).
+
+    Returns every row that ran, as ``(slot, trace)`` (a reused slot appears once per use).
+    """
+    done: list[tuple[int, Trace]] = []
     traces: dict[int, Trace] = {}
     running: dict[int, int] = {}
     for step in range(steps):
         for slot in leaves.get(step, ()):
             engine.free(slot)
             del running[slot]
+            done.append((slot, traces.pop(slot)))
         for slot in joins.get(step, ()):
             traces[slot] = Trace()
             running[slot] = traces[slot].take(engine.prefill(slot, prompts[slot])[-1])
@@ -74,7 +81,7 @@ def run_schedule(
             running[slot] = traces[slot].take(logits)
     for slot in list(running):
         engine.free(slot)
-    return traces
+    return [*done, *traces.items()]
 
 
 def assert_same_trace(actual: Trace, expected: Trace, what: str) -> None:

@@ -87,10 +87,10 @@ def test_rows_join_and_leave_mid_batch(engine: Engine) -> None:
     joins = {0: [10, 11, 12], 3: [13], 4: [14], 9: [15], 12: [11]}
     leaves = {3: [12], 6: [13], 8: [10], 11: [11]}
     steps = 20
-    alone = {slot: greedy_alone(engine, tokens, steps) for slot, tokens in prompts.items()}
+    alone = {slot: greedy_alone(engine, tokens, steps + 1) for slot, tokens in prompts.items()}
     traces = run_schedule(engine, prompts, joins, leaves, steps)
-    for slot, trace in traces.items():
-        assert trace.tokens, slot
+    assert sorted(slot for slot, _ in traces) == [10, 11, 11, 12, 13, 14, 15]
+    for slot, trace in traces:
         assert_same_trace(trace, alone[slot], f"slot {slot}")
 
 
@@ -106,9 +106,10 @@ def test_random_schedules_match_rows_alone(engine: Engine, seed: int) -> None:
     for s in slots:
         joins.setdefault(starts[s], []).append(s)
         leaves.setdefault(stops[s], []).append(s)
-    alone = {s: greedy_alone(engine, prompts[s], steps) for s in slots}
+    alone = {s: greedy_alone(engine, prompts[s], steps + 1) for s in slots}
     traces = run_schedule(engine, prompts, joins, leaves, steps)
-    for s, trace in traces.items():
+    assert len(traces) == len(slots)
+    for s, trace in traces:
         assert_same_trace(trace, alone[s], f"seed {seed} slot {s}")
 
 
@@ -190,3 +191,15 @@ def test_misuse_is_refused(engine: Engine) -> None:
     engine.free(1)  # freeing twice, or a slot never seen, is harmless
     engine.free(77)
     assert engine.decode({0: 3}).slots == (0,)
+
+
+def test_more_rows_than_the_first_allocation(engine: Engine) -> None:
+    prompts = {slot: prompt(200 + slot, 1 + 7 * slot) for slot in range(11)}
+    joins = {0: list(range(6)), 1: list(range(6, 11))}
+    leaves = {3: [0, 5, 7]}
+    steps = 6
+    alone = {slot: greedy_alone(engine, tokens, steps + 1) for slot, tokens in prompts.items()}
+    traces = run_schedule(engine, prompts, joins, leaves, steps)
+    assert len(traces) == len(prompts)
+    for slot, trace in traces:
+        assert_same_trace(trace, alone[slot], f"slot {slot}")
