@@ -121,6 +121,10 @@ class SchedulerHandle:
     def cancel(self, request_id: str) -> None:
         self._send(Cancel(request_id=request_id))
 
+    def close(self) -> None:
+        """No more submissions: the scheduler returns once its inbox is drained."""
+        self._inbox.close()
+
     def finish_choice(self, request_id: str, choice: int) -> None:
         self._send(FinishChoice(request_id=request_id, choice=choice))
 
@@ -382,6 +386,11 @@ class Scheduler:
             request.submit.output.send_nowait(message)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             self._close(request)  # the client went away
+        except anyio.WouldBlock:
+            # The channel is sized for every step a request can produce, so
+            # this is a bug in whoever sized it; that request ends, not the server.
+            logger.error("output channel of %s is full; dropping it", request.spec.request_id)
+            self._close(request)
 
     def _drop_choice(self, request: _Request, choice: _Choice, *, close: bool = True) -> None:
         request.choices.pop(choice.index, None)

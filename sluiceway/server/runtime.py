@@ -99,21 +99,24 @@ async def run_pipeline(
     scheduler = Scheduler(model.engine, model.thread, config, handle)
     to_sampler_send, to_sampler_receive = anyio.create_memory_object_stream[LogitsStep](1)
     sampled_send, sampled_receive = anyio.create_memory_object_stream[SampledStep](1)
-    async with anyio.create_task_group() as group:
-        if options.with_reducer:
-            reduced_send, reduced_receive = anyio.create_memory_object_stream[SampledStep](1)
-            group.start_soon(reducer.run, sampled_receive, reduced_send)
-            back_to_scheduler = reduced_receive
-        else:
-            back_to_scheduler = sampled_receive
-        group.start_soon(
-            sampler.run,
-            to_sampler_receive,
-            sampled_send,
-            SamplerConfig(
-                forward_logits=options.with_reducer,
-                processed_logprobs=options.processed_logprobs,
-            ),
-        )
-        group.start_soon(scheduler.run, inbox, to_sampler_send, back_to_scheduler)
-        task_status.started(handle)
+    try:
+        async with anyio.create_task_group() as group:
+            if options.with_reducer:
+                reduced_send, reduced_receive = anyio.create_memory_object_stream[SampledStep](1)
+                group.start_soon(reducer.run, sampled_receive, reduced_send)
+                back_to_scheduler = reduced_receive
+            else:
+                back_to_scheduler = sampled_receive
+            group.start_soon(
+                sampler.run,
+                to_sampler_receive,
+                sampled_send,
+                SamplerConfig(
+                    forward_logits=options.with_reducer,
+                    processed_logprobs=options.processed_logprobs,
+                ),
+            )
+            group.start_soon(scheduler.run, inbox, to_sampler_send, back_to_scheduler)
+            task_status.started(handle)
+    finally:
+        handle.close()

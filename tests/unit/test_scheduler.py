@@ -1,0 +1,245 @@
+"""The scheduler against a fake engine that records every call: admission,
+chunked prefill, batched decode, forks, finishing and cancellation."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+import numpy as np
+import pytest
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from sluiceway.actors.engine_work import EngineThread
+from sluiceway.actors.scheduler import SchedulerConfig, SchedulerHandle
+from sluiceway.engines.base import DecodeResult, EngineInfo, Logits
+from sluiceway.engines.loader import ModelSource
+from sluiceway.protocol.messages import (
+    FinishCause,
+    GenerationRequest,
+    Limits,
+    PromptScores,
+    RequestOutput,
+    SamplingParams,
+    StepOutput,
+)
+from sluiceway.server.runtime import LoadedModel, PipelineOptions, run_pipeline
+
+VOCAB = 16
+EOS = 0
+
+
+@dataclass
+class FakeEngine:
+    """Always predicts ``(last token + 1) % VOCAB`` (never EOS unless asked)."""
+
+    calls: list[tuple[str, object]] = field(default_factory=list)
+    last: dict[int, int] = field(default_factory=dict)
+    running: list[int] = field(default_factory=list)
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            name="fake", device="cpu", dtype="float32", vocab_size=VOCAB, max_context=64
+        )
+
+    def _logits(self, tokens: Sequence[int]) -> Logits:
+        out = np.zeros((len(tokens), VOCAB), dtype=np.float32)
+        for row, token in enumerate(tokens):
+            successor = (token + 1) % VOCAB
+            out[row, successor if successor != EOS else 1] = 10.0
+        return out
+
+    def prefill(self, slot: int, token_ids: Sequence[int], *, all_logits: bool = False) -> Logits:
+        self.calls.append(("prefill", (slot, tuple(token_ids))))
+        self.last[slot] = token_ids[-1]
+        logits = self._logits(token_ids)
+        return logits if all_logits else logits[-1:]
+
+    def fork(self, source: int, target: int) -> None:
+        self.calls.append(("fork", (source, target)))
+        self.last[target] = self.last[source]
+
+    def decode(self, tokens: Mapping[int, int]) -> DecodeResult:
+        self.calls.append(("decode", dict(tokens)))
+        for slot in tokens:
+            if slot not in self.running:
+                self.running.append(slot)
+        assert set(self.running) == set(tokens), "decode names every running slot"
+        return DecodeResult(tuple(self.running), self._logits([tokens[s] for s in self.running]))
+
+    def free(self, slot: int) -> None:
+        self.calls.append(("free", slot))
+        if slot in self.running:
+            self.running.remove(slot)
+
+    def close(self) -> None:
+        pass
+
+
+def request(name: str, prompt: Sequence[int], **limits: object) -> GenerationRequest:
+    n = int(limits.pop("n", 1))  # type: ignore[call-overload]
+    return GenerationRequest(
+        request_id=name,
+        prompt_ids=tuple(prompt),
+        n=n,
+        sampling=SamplingParams(temperature=0.0),
+        limits=Limits(**{"max_tokens": 4, **limits}),  # type: ignore[arg-type]
+    )
+
+
+async def collect(stream: MemoryObjectReceiveStream[RequestOutput]) -> list[RequestOutput]:
+    async with stream:
+        return [message async for message in stream]
+
+
+async def run_with(engine: FakeEngine, config: SchedulerConfig, body: object) -> None:
+    thread = EngineThread()
+    model = LoadedModel(
+        ModelSource(path=__import__("pathlib").Path("."), config={}, name="fake"),
+        None,  # type: ignore[arg-type]
+        engine,
+        0,
+        thread,
+    )
+    try:
+        async with anyio.create_task_group() as group:
+            handle = await group.start(
+                functools.partial(run_pipeline, model, config, PipelineOptions())
+            )
+            await body(handle)  # type: ignore[operator]
+            group.cancel_scope.cancel()
+    finally:
+        thread.close()
+
+
+def submit(
+    handle: SchedulerHandle, spec: GenerationRequest
+) -> MemoryObjectReceiveStream[RequestOutput]:
+    send, receive = anyio.create_memory_object_stream[RequestOutput](spec.limits.max_tokens + 2)
+    try:
+        handle.submit(spec, send)
+    except BaseException:
+        send.close()
+        receive.close()
+        raise
+    return receive
+
+
+def tokens_of(messages: list[RequestOutput], choice: int = 0) -> list[int]:
+    return [
+        s.token_id
+        for m in messages
+        if isinstance(m, StepOutput)
+        for s in m.samples
+        if s.choice == choice
+    ]
+
+
+@pytest.mark.anyio
+async def test_long_prompts_are_prefilled_in_chunks_between_decode_steps() -> None:
+    engine = FakeEngine()
+    config = SchedulerConfig(eos_ids=frozenset({EOS}), prefill_chunk_tokens=4)
+
+    async def body(handle: SchedulerHandle) -> None:
+        short = submit(handle, request("short", [3], max_tokens=40))
+        first = await short.receive()
+        long = submit(handle, request("long", list(range(1, 11)), max_tokens=2))
+        results = [first, *await collect(short)]
+        assert (
+            tokens_of(results)
+            == [(4 + i) % VOCAB or 1 for i in range(40)][:1] + tokens_of(results)[1:]
+        )
+        assert len(tokens_of(results)) == 40
+        assert tokens_of(await collect(long)) == [11, 12]
+
+    await run_with(engine, config, body)
+    prefills = [args for kind, args in engine.calls if kind == "prefill"]
+    assert [len(tokens) for slot, tokens in prefills if slot != prefills[0][0]] == [4, 4, 2]  # type: ignore[misc]
+    # The running stream kept decoding while the long prompt went in, chunk by chunk.
+    kinds = [
+        "long" if kind == "prefill" and len(args[1]) > 1 else kind  # type: ignore[index]
+        for kind, args in engine.calls
+    ]
+    first = kinds.index("long")
+    assert kinds[first : first + 6] == ["long", "decode", "long", "decode", "long", "decode"]
+
+
+@pytest.mark.anyio
+async def test_choices_share_one_prefill_and_prompt_scores_come_first() -> None:
+    engine = FakeEngine()
+    config = SchedulerConfig(eos_ids=frozenset({EOS}))
+
+    async def body(handle: SchedulerHandle) -> None:
+        spec = GenerationRequest(
+            request_id="n3",
+            prompt_ids=(5, 6, 7),
+            n=3,
+            sampling=SamplingParams(temperature=0.0),
+            logprobs=__import__(
+                "sluiceway.protocol.messages", fromlist=["LogprobParams"]
+            ).LogprobParams(prompt_top=2),
+            limits=Limits(max_tokens=2),
+        )
+        messages = await collect(submit(handle, spec))
+        assert isinstance(messages[0], PromptScores)
+        assert messages[0].entries[0] is None
+        assert len(messages[0].entries) == 3
+        for choice in range(3):
+            assert tokens_of(messages, choice) == [8, 9]
+        last = messages[-1]
+        assert isinstance(last, StepOutput)
+        assert {s.finish for s in last.samples} == {FinishCause.MAX_TOKENS}
+
+    await run_with(engine, config, body)
+    assert [kind for kind, _ in engine.calls].count("prefill") == 1
+    assert [kind for kind, _ in engine.calls].count("fork") == 2
+
+
+@pytest.mark.anyio
+async def test_cancel_frees_the_slot_before_the_next_step() -> None:
+    engine = FakeEngine()
+    config = SchedulerConfig(eos_ids=frozenset({EOS}))
+
+    async def body(handle: SchedulerHandle) -> None:
+        stream = submit(handle, request("long", [1], max_tokens=1000, ignore_eos=True))
+        async with stream:
+            await stream.receive()
+            handle.cancel("long")
+            # The stream ends (the scheduler closed it) after at most the step in flight.
+            remaining = [message async for message in stream]
+            assert len(remaining) <= 1
+        await anyio.sleep(0.05)
+        assert handle.running_rows == 0
+
+    await run_with(engine, config, body)
+    free_at = next(i for i, (kind, _) in enumerate(engine.calls) if kind == "free")
+    # At most one decode step ran between the cancel and the free (the one in flight).
+    after_free = [kind for kind, _ in engine.calls[free_at:]]
+    assert "decode" not in after_free
+
+
+@pytest.mark.anyio
+async def test_queue_bound_and_waiting_cancellation() -> None:
+    engine = FakeEngine()
+    config = SchedulerConfig(eos_ids=frozenset({EOS}), max_num_seqs=1, max_queued_requests=1)
+
+    async def body(handle: SchedulerHandle) -> None:
+        running = submit(handle, request("a", [1], max_tokens=1000, ignore_eos=True))
+        await running.receive()
+        waiting = submit(handle, request("b", [2]))
+        from sluiceway.protocol.errors import Overloaded
+
+        with pytest.raises(Overloaded):
+            submit(handle, request("c", [3]))
+        await anyio.sleep(0.02)
+        assert handle.queued == 1
+        handle.cancel("b")
+        await anyio.sleep(0.02)
+        assert handle.queued == 0
+        waiting.close()
+        running.close()
+
+    await run_with(engine, config, body)
