@@ -43,6 +43,7 @@ from sluiceway.engines.default_model import (
     write_tokenizer,
 )
 from sluiceway.engines.loader import resolve_model
+from sluiceway.engines.select import make_engine
 from sluiceway.engines.tokenizer import ModelTokenizer
 from sluiceway.parsers.pipeline import ChoicePipeline
 from sluiceway.protocol.messages import (
@@ -53,7 +54,7 @@ from sluiceway.protocol.messages import (
     RequestOutput,
     SamplingParams,
 )
-from sluiceway.server.runtime import LoadedModel, PipelineOptions, make_engine, run_pipeline
+from sluiceway.server.runtime import LoadedModel, PipelineOptions, run_pipeline
 
 DIMS = Qwen3Dims(
     hidden_size=512,
@@ -152,7 +153,9 @@ def main() -> None:
     args = parser.parse_args()
     source = resolve_model(str(build_model()))
     thread = EngineThread()
-    engine = anyio.run(thread.run, make_engine, args.engine, source)
+    engine = anyio.run(
+        functools.partial(thread.run, make_engine, args.engine, source, device="auto", dtype="auto")
+    )
     tokenizer = ModelTokenizer(source.path, engine.info.vocab_size)
     model = LoadedModel(source, tokenizer, engine, 0, thread)
     print(f"engine {engine.info.name}/{engine.info.device}, vocab {engine.info.vocab_size}")

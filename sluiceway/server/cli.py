@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         "model": "local model directory or Hugging Face id (from the local cache); "
         "default: the embedded default model",
         "served_model_name": "the model name clients use (default: --model)",
-        "engine": "model runner",
+        "engine": "model runner (auto: mlx on a Metal GPU, else transformers if torch imports, else mlx on the CPU)",
+        "device": "device of the transformers engine (auto: cuda if available)",
+        "dtype": "weights dtype of the transformers engine (auto: the checkpoint's)",
         "worker_class": "Hypercorn worker class",
         "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
         "max_body_bytes": "largest request body accepted (413 beyond)",

@@ -14,7 +14,9 @@ ENV_PREFIX = "SLUICEWAY_"
 #: Fields whose value is one of a few words (checked, since the environment
 #: can hold anything).
 CHOICES: dict[str, tuple[str, ...]] = {
-    "engine": ("auto", "mlx"),
+    "engine": ("auto", "mlx", "transformers"),
+    "device": ("auto", "cpu", "cuda"),
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
     "worker_class": ("asyncio", "trio"),
     "logprobs_mode": ("raw", "processed"),
     "reasoning_field": ("reasoning_content", "reasoning", "both"),
@@ -32,7 +34,9 @@ class ServerConfig:
 
     model: str | None = None
     served_model_name: str | None = None
-    engine: Literal["auto", "mlx"] = "auto"
+    engine: Literal["auto", "mlx", "transformers"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     host: str = "127.0.0.1"
     port: int = 8000
     worker_class: WorkerClass = "asyncio"

@@ -25,6 +25,7 @@ from sluiceway.actors.scheduler import Scheduler, SchedulerConfig, SchedulerHand
 from sluiceway.engines.base import Engine
 from sluiceway.engines.default_model import default_model_dir
 from sluiceway.engines.loader import ModelSource, resolve_model
+from sluiceway.engines.select import make_engine
 from sluiceway.engines.tokenizer import ModelTokenizer
 from sluiceway.protocol.messages import LogitsStep, SampledStep
 from sluiceway.server.config import ServerConfig
@@ -40,14 +41,6 @@ class LoadedModel:
     created: int
     #: The thread the engine was loaded on; all its work runs there.
     thread: EngineThread
-
-
-def make_engine(choice: str, source: ModelSource) -> Engine:
-    from sluiceway.engines.mlx_engine import MlxEngine
-
-    if choice not in {"auto", "mlx"}:
-        raise ValueError(f"unknown engine {choice!r}")
-    return MlxEngine(source)
 
 
 async def load_model(config: ServerConfig) -> LoadedModel:
@@ -67,7 +60,7 @@ def _load(config: ServerConfig, thread: EngineThread) -> LoadedModel:
         spec = str(default_model_dir(cache_dir))
     source = resolve_model(spec)
     started = time.perf_counter()
-    engine = make_engine(config.engine, source)
+    engine = make_engine(config.engine, source, device=config.device, dtype=config.dtype)
     tokenizer = ModelTokenizer(source.path, engine.info.vocab_size)
     logger.info(
         "loaded %s on %s/%s (%s) in %.1f s",

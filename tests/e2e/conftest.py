@@ -10,34 +10,45 @@ import pytest
 from tests.e2e.harness import RunningServer, start_server
 from tests.fixtures.scripted_model import ScriptedModel
 
+#: Every worker class with every engine.
+SETUPS = [
+    pytest.param(("asyncio", "mlx"), id="asyncio-mlx"),
+    pytest.param(("trio", "mlx"), id="trio-mlx"),
+    pytest.param(("asyncio", "transformers"), id="asyncio-transformers"),
+    pytest.param(("trio", "transformers"), id="trio-transformers"),
+]
 
-@pytest.fixture(scope="session", params=["asyncio", "trio"])
+
+@pytest.fixture(scope="session", params=SETUPS)
 def server(
     request: pytest.FixtureRequest, default_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
-    """The default model served under Hypercorn with each worker class."""
+    """The default model served under Hypercorn, per worker class and engine."""
+    worker_class, engine = request.param
     running = start_server(
         default_model,
-        worker_class=str(request.param),
+        worker_class=worker_class,
         log_dir=tmp_path_factory.mktemp("logs"),
-        extra_args=["--max-body-bytes", "65536"],
+        extra_args=["--max-body-bytes", "65536", "--engine", engine],
     )
     yield running
     running.stop()
 
 
-@pytest.fixture(scope="session", params=["asyncio", "trio"])
+@pytest.fixture(scope="session", params=SETUPS)
 def scripted_server(
     request: pytest.FixtureRequest,
     scripted: ScriptedModel,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[RunningServer]:
-    """The scripted model served under Hypercorn with each worker class."""
+    """The scripted model served under Hypercorn, per worker class and engine."""
+    worker_class, engine = request.param
     running = start_server(
         scripted.path,
-        worker_class=str(request.param),
+        worker_class=worker_class,
         log_dir=tmp_path_factory.mktemp("logs"),
         name="scripted",
+        extra_args=["--engine", engine],
     )
     yield running
     running.stop()

@@ -29,6 +29,7 @@ class RunningServer:
     worker_class: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    engine: str = "auto"
 
     @property
     def api_url(self) -> str:
@@ -105,7 +106,10 @@ def _wait_for(
 ) -> RunningServer:
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = RunningServer(f"http://127.0.0.1:{port}", name, worker_class, process, log_path)
+    engine = command[command.index("--engine") + 1] if "--engine" in command else "auto"
+    server = RunningServer(
+        f"http://127.0.0.1:{port}", name, worker_class, process, log_path, engine
+    )
     deadline = time.monotonic() + STARTUP_SECONDS
     while time.monotonic() < deadline:
         if process.poll() is not None:

@@ -43,7 +43,9 @@ def test_models_and_health(server: RunningServer) -> None:
     assert one.json()["id"] == server.model
     health = server.health()
     assert health["status"] == "ok"
-    assert health["engine"]["name"] == "mlx"  # type: ignore[index]
+    engine = health["engine"]["name"]  # type: ignore[index]
+    assert engine == server.engine
+    assert models["data"][0]["engine"] == engine
 
 
 def test_sdk_non_streaming(server: RunningServer) -> None:
