@@ -17,6 +17,7 @@ the batch size over the lower-quartile step time (other load only adds time). Wi
 column gives engine/bare in thread CPU time, the steadiest overhead measure.
 
     .venv/bin/python bench/engine_parity.py [--threads N] [--batches 1 4 16 32] [--steps 48]
+        [--prompt 64] [--skip-mlx]
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ DIMS = Qwen3Dims(
 )
 #: 16k keeps the model at ~40M parameters with untied embeddings (32k would be 58M).
 VOCAB = 16384
-PROMPT = 64
+PROMPT = 64  # tokens per row; ragged rows are PROMPT/4 .. 2*PROMPT-1
 WARMUP = 2
 
 
@@ -78,23 +79,24 @@ def parameter_count(vocab: int) -> int:
     return sum(int(np.prod(shape)) for shape in weight_shapes(DIMS, vocab).values())
 
 
-def prompts(batch: int, *, ragged: bool) -> list[list[int]]:
+def prompts(batch: int, *, ragged: bool, length: int = PROMPT) -> list[list[int]]:
     rng = np.random.default_rng(batch)
-    lengths = rng.integers(PROMPT // 4, PROMPT * 2, batch) if ragged else [PROMPT] * batch
+    lengths = rng.integers(length // 4, length * 2, batch) if ragged else [length] * batch
     return [[int(t) for t in rng.integers(0, 500, int(n))] for n in lengths]
 
 
 Step = Callable[[], None]
 
 
-def bare_loop(model: Any, batch: int) -> tuple[Step, Callable[[], None]]:
+def bare_loop(model: Any, batch: int, prompt: int) -> tuple[Step, Callable[[], None]]:
     """The model called directly: ``DynamicCache``, no mask, argmax in torch."""
     import torch
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor(prompts(batch, ragged=False)), past_key_values=cache)
+        rows = prompts(batch, ragged=False, length=prompt)
+        out = model(input_ids=torch.tensor(rows), past_key_values=cache)
     state = {"next": out.logits[:, -1].argmax(-1, keepdim=True)}
 
     def step() -> None:
@@ -105,11 +107,13 @@ def bare_loop(model: Any, batch: int) -> tuple[Step, Callable[[], None]]:
     return step, cache.reset
 
 
-def engine_loop(engine: Engine, batch: int, *, ragged: bool) -> tuple[Step, Callable[[], None]]:
+def engine_loop(
+    engine: Engine, batch: int, prompt: int, *, ragged: bool
+) -> tuple[Step, Callable[[], None]]:
     """An engine decoding ``batch`` rows, argmax in NumPy (what the sampler sees)."""
     tokens = {
         slot: int(np.argmax(engine.prefill(slot, row)[-1]))
-        for slot, row in enumerate(prompts(batch, ragged=ragged))
+        for slot, row in enumerate(prompts(batch, ragged=ragged, length=prompt))
     }
 
     def step() -> None:
@@ -161,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--steps", type=int, default=48, help="timed steps per loop and batch")
     parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens per row")
     parser.add_argument("--threads", type=int, help="torch threads (sets OMP_NUM_THREADS)")
     parser.add_argument("--skip-mlx", action="store_true")
     args = parser.parse_args(argv)
@@ -184,8 +189,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     mlx = None if args.skip_mlx else MlxEngine(source)
     threads = torch.get_num_threads()
     print(
-        f"model: {parameter_count(args.vocab) / 1e6:.1f}M parameters, prompt {PROMPT} tokens "
-        f"(ragged: {PROMPT // 4}-{PROMPT * 2 - 1}), {args.steps} interleaved steps per loop, "
+        f"model: {parameter_count(args.vocab) / 1e6:.1f}M parameters, prompt {args.prompt} tokens "
+        f"(ragged: {args.prompt // 4}-{args.prompt * 2 - 1}), {args.steps} interleaved steps per loop, "
         f"torch threads {threads}"
     )
     header = ["batch", "bare", "engine", "engine/bare", "ragged", "ragged/bare", "mlx"]
@@ -195,12 +200,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(" | ".join(f"{h:>11}" for h in header))
     for batch in args.batches:
         loops = {
-            "bare": bare_loop(bare, batch),
-            "engine": engine_loop(engine, batch, ragged=False),
-            "ragged": engine_loop(engine, batch, ragged=True),
+            "bare": bare_loop(bare, batch, args.prompt),
+            "engine": engine_loop(engine, batch, args.prompt, ragged=False),
+            "ragged": engine_loop(engine, batch, args.prompt, ragged=True),
         }
         if mlx is not None:
-            loops["mlx"] = engine_loop(mlx, batch, ragged=False)
+            loops["mlx"] = engine_loop(mlx, batch, args.prompt, ragged=False)
         timings = measure({name: step for name, (step, _) in loops.items()}, args.steps)
         for _, done in loops.values():
             done()

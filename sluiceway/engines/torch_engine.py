@@ -8,6 +8,9 @@ and whatever lies to their left (``[start, first[row])``) is padding that the
 attention mask hides. The model sees the window ``[start, end)`` of the first
 ``rows`` rows as its past, through a transformers ``Cache`` whose layers write
 the new step at ``end`` in place and return views (no ``torch.cat`` per step).
+The views are strided (each row and head is its own run of the buffer), which
+costs the attention kernel some prefetching, ~20% at short windows measured
+cold; far less than a ``DynamicCache``, which copies the whole cache each step.
 
 Three facts make rows of different lengths decode together exactly as they
 would alone:
@@ -85,9 +88,11 @@ def resolve_dtype(choice: str, config: Mapping[str, Any], device: torch.device) 
 
     ``auto`` on CUDA keeps the checkpoint's dtype (bfloat16 falls back to
     float16 on GPUs without bfloat16). ``auto`` on the CPU is always float32: a
-    half-precision checkpoint is upcast, because CPU half-precision matmuls are
-    slower than float32 on most CPUs (no AMX/AVX512-BF16) and float32 keeps
-    logprobs exact. Ask for ``bfloat16`` explicitly to halve memory on the CPU.
+    half-precision checkpoint is upcast, because float32 keeps logprobs exact
+    (sluiceway's promise) and is the one dtype every CPU runs at full speed;
+    float16 matmuls are slow on CPUs, bfloat16 ones are slow without
+    AVX512-BF16 or AMX. Where those exist, ``--dtype bfloat16`` halves memory
+    and is faster (+8% at batch 1, +21% at batch 32 on a Zen 4 EPYC).
     """
     if choice != "auto":
         if choice not in DTYPES:
