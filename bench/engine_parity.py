@@ -28,55 +28,16 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from models import VOCAB, parameter_count, parity_model
 
 from sluiceway.engines.base import Engine
-from sluiceway.engines.default_model import (
-    Qwen3Dims,
-    chat_template,
-    default_cache_dir,
-    random_weights,
-    train_tokenizer,
-    weight_shapes,
-    write_qwen3,
-    write_tokenizer,
-)
 from sluiceway.engines.loader import ModelSource, resolve_model
 
-DIMS = Qwen3Dims(
-    hidden_size=512,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-    intermediate_size=1536,
-)
-#: 16k keeps the model at ~40M parameters with untied embeddings (32k would be 58M).
-VOCAB = 16384
 PROMPT = 64  # tokens per row; ragged rows are PROMPT/4 .. 2*PROMPT-1
 WARMUP = 2
-
-
-def build_model(vocab: int) -> Path:
-    target = (
-        default_cache_dir() / f"bench-qwen3-{DIMS.hidden_size}x{DIMS.num_hidden_layers}-{vocab}"
-    )
-    if (target / "model.safetensors").is_file():
-        return target
-    print(f"building {target} ...", flush=True)
-    # The tokenizer is only there to make a complete model directory; the
-    # benchmark feeds token ids, so a small one with a large config vocab is fine.
-    tokenizer = train_tokenizer(vocab_size=512)
-    write_tokenizer(target, tokenizer, chat_template())
-    write_qwen3(target, DIMS, vocab, random_weights(DIMS, vocab, seed=7))
-    return target
-
-
-def parameter_count(vocab: int) -> int:
-    return sum(int(np.prod(shape)) for shape in weight_shapes(DIMS, vocab).values())
 
 
 def prompts(batch: int, *, ragged: bool, length: int = PROMPT) -> list[list[int]]:
@@ -178,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from sluiceway.engines.mlx_engine import MlxEngine
     from sluiceway.engines.torch_engine import TransformersEngine
 
-    source: ModelSource = resolve_model(str(build_model(args.vocab)))
+    source: ModelSource = resolve_model(str(parity_model(args.vocab)))
     # The engine sets torch's thread count for the process, so the bare loop
     # below runs with the same threads.
     engine = TransformersEngine(source, device="cpu", dtype="float32")

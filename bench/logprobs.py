@@ -24,24 +24,15 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import anyio
+from models import logprobs_model
 
 from sluiceway.actors import output
 from sluiceway.actors.emitters.chat import ChatReplyConfig, ChatStreamEncoder
 from sluiceway.actors.engine_work import EngineThread
 from sluiceway.actors.output import OutputConfig
 from sluiceway.actors.scheduler import SchedulerConfig, SchedulerHandle
-from sluiceway.engines.default_model import (
-    Qwen3Dims,
-    chat_template,
-    default_cache_dir,
-    random_weights,
-    train_tokenizer,
-    write_qwen3,
-    write_tokenizer,
-)
 from sluiceway.engines.loader import resolve_model
 from sluiceway.engines.select import make_engine
 from sluiceway.engines.tokenizer import ModelTokenizer
@@ -56,15 +47,6 @@ from sluiceway.protocol.messages import (
 )
 from sluiceway.server.runtime import LoadedModel, PipelineOptions, run_pipeline
 
-DIMS = Qwen3Dims(
-    hidden_size=512,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-    intermediate_size=1536,
-)
-VOCAB = 151936
 PROMPT = tuple(range(10, 74))
 
 CONFIGS: dict[str, tuple[bool, LogprobParams]] = {
@@ -75,15 +57,6 @@ CONFIGS: dict[str, tuple[bool, LogprobParams]] = {
     "top 20": (True, LogprobParams(top=20)),
     "8 ids": (True, LogprobParams(token_ids=(1, 2, 3, 5, 8, 13, 21, 34))),
 }
-
-
-def build_model() -> Path:
-    target = default_cache_dir() / f"bench-logprobs-{DIMS.hidden_size}x{DIMS.num_hidden_layers}"
-    if not (target / "model.safetensors").is_file():
-        print(f"building {target} ...", flush=True)
-        write_tokenizer(target, train_tokenizer(vocab_size=512), chat_template())
-        write_qwen3(target, DIMS, VOCAB, random_weights(DIMS, VOCAB, seed=11))
-    return target
 
 
 async def one_request(
@@ -151,7 +124,7 @@ def main() -> None:
     parser.add_argument("--engine", default="auto")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     args = parser.parse_args()
-    source = resolve_model(str(build_model()))
+    source = resolve_model(str(logprobs_model()))
     thread = EngineThread()
     engine = anyio.run(
         functools.partial(thread.run, make_engine, args.engine, source, device="auto", dtype="auto")
