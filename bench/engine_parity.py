@@ -69,12 +69,12 @@ def bare_loop(model: Any, batch: int, prompt: int) -> tuple[Step, Callable[[], N
 
 
 def engine_loop(
-    engine: Engine, batch: int, prompt: int, *, ragged: bool
+    engine: Engine, batch: int, prompt: int, *, ragged: bool, first_slot: int = 0
 ) -> tuple[Step, Callable[[], None]]:
     """An engine decoding ``batch`` rows, argmax in NumPy (what the sampler sees)."""
     tokens = {
         slot: int(np.argmax(engine.prefill(slot, row)[-1]))
-        for slot, row in enumerate(prompts(batch, ragged=ragged, length=prompt))
+        for slot, row in enumerate(prompts(batch, ragged=ragged, length=prompt), first_slot)
     }
 
     def step() -> None:
@@ -163,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         loops = {
             "bare": bare_loop(bare, batch, args.prompt),
             "engine": engine_loop(engine, batch, args.prompt, ragged=False),
-            "ragged": engine_loop(engine, batch, args.prompt, ragged=True),
+            # Its own slots: the same engine decodes both batches, in turn.
+            "ragged": engine_loop(engine, batch, args.prompt, ragged=True, first_slot=batch),
         }
         if mlx is not None:
             loops["mlx"] = engine_loop(mlx, batch, args.prompt, ragged=False)
