@@ -69,12 +69,12 @@ def bare_loop(model: Any, batch: int, prompt: int) -> tuple[Step, Callable[[], N
 
 
 def engine_loop(
-    engine: Engine, batch: int, prompt: int, *, ragged: bool, first_slot: int = 0
+    engine: Engine, batch: int, prompt: int, *, ragged: bool
 ) -> tuple[Step, Callable[[], None]]:
     """An engine decoding ``batch`` rows, argmax in NumPy (what the sampler sees)."""
     tokens = {
         slot: int(np.argmax(engine.prefill(slot, row)[-1]))
-        for slot, row in enumerate(prompts(batch, ragged=ragged, length=prompt), first_slot)
+        for slot, row in enumerate(prompts(batch, ragged=ragged, length=prompt))
     }
 
     def step() -> None:
@@ -143,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # The engine sets torch's thread count for the process, so the bare loop
     # below runs with the same threads.
     engine = TransformersEngine(source, device="cpu", dtype="float32")
+    # A second engine: an engine decodes all its running rows in every step.
+    ragged = TransformersEngine(source, device="cpu", dtype="float32")
     bare: Any = AutoModelForCausalLM.from_pretrained(
         str(source.path), local_files_only=True, dtype=torch.float32
     )
@@ -163,8 +165,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         loops = {
             "bare": bare_loop(bare, batch, args.prompt),
             "engine": engine_loop(engine, batch, args.prompt, ragged=False),
-            # Its own slots: the same engine decodes both batches, in turn.
-            "ragged": engine_loop(engine, batch, args.prompt, ragged=True, first_slot=batch),
+            "ragged": engine_loop(ragged, batch, args.prompt, ragged=True),
         }
         if mlx is not None:
             loops["mlx"] = engine_loop(mlx, batch, args.prompt, ragged=False)
