@@ -70,10 +70,14 @@ class MlxEngine:
 
     def decode(self, tokens: Mapping[int, int]) -> DecodeResult:
         mx = self._mx
-        self._join_new(tokens)
+        # Checked before anything changes, so a bad call leaves the batch intact.
         missing = set(self._order) - tokens.keys()
         if missing:
             raise ValueError(f"decode must name every running slot; missing {sorted(missing)}")
+        unknown = [s for s in tokens if s not in self._order and s not in self._pending]
+        if unknown:
+            raise ValueError(f"slots {unknown} were never prefilled")
+        self._join_new(tokens)
         inputs = mx.array([tokens[slot] for slot in self._order])[:, None]
         logits = self._model(inputs, cache=self._batch)[:, -1, :].astype(mx.float32)
         mx.eval(logits)
@@ -103,9 +107,6 @@ class MlxEngine:
         joining = [slot for slot in tokens if slot not in self._order]
         if not joining:
             return
-        for slot in joining:
-            if slot not in self._pending:
-                raise ValueError(f"slot {slot} was never prefilled")
         per_layer = zip(*(self._pending.pop(slot) for slot in joining), strict=True)
         merged = [
             BatchKVCache.merge(list(layer_caches))  # type: ignore[no-untyped-call]
