@@ -1,0 +1,118 @@
+"""The bare engine: a model in a plain decode loop -- no server, no HTTP, no engine class.
+
+* ``transformers``: ``AutoModelForCausalLM`` called with a ``DynamicCache``,
+  argmax in torch (what a hand-written transformers loop does);
+* ``mlx``: the mlx-lm model with its per-layer ``KVCache`` list, argmax in mlx,
+  evaluated every step.
+
+For each batch size it prefills ``batch`` random prompts of ``--prompt``
+tokens (untimed), then times ``--tokens`` decode steps, so the steps cover the
+same positions as a served request with that prompt and ``max_tokens``. It
+repeats that ``--repeats`` times and keeps the fastest mean step. Prints one
+JSON object per batch size on stdout:
+
+    {"batch": 4, "step": 0.0231, "tokens_per_s": 173.2}
+
+    .venv/bin/python bench/bare.py --engine transformers --model DIR [--batches 1 4 16]
+
+Run it in a process of its own: an mlx CPU thread pool and torch's OpenMP
+threads in one process slow each other down badly on a small machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+Step = Callable[[], None]
+
+
+def rows(batch: int, prompt: int, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(batch)
+    return [[int(t) for t in rng.integers(0, min(vocab, 500), prompt)] for _ in range(batch)]
+
+
+def torch_loop(model_dir: str) -> Callable[[int, int], Step]:
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    if "OMP_NUM_THREADS" not in os.environ:  # as the engine does
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, local_files_only=True, dtype=torch.float32
+    )
+    model.eval()
+    vocab = int(model.config.vocab_size)
+
+    def start(batch: int, prompt: int) -> Step:
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor(rows(batch, prompt, vocab)), past_key_values=cache)
+        state = {"next": out.logits[:, -1].argmax(-1, keepdim=True)}
+
+        def step() -> None:
+            with torch.inference_mode():
+                logits = model(input_ids=state["next"], past_key_values=cache).logits
+                state["next"] = logits[:, -1].argmax(-1, keepdim=True)
+
+        return step
+
+    return start
+
+
+def mlx_loop(model_dir: str) -> Callable[[int, int], Step]:
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(Path(model_dir))
+    vocab = int(config["vocab_size"])
+
+    def start(batch: int, prompt: int) -> Step:
+        cache = make_prompt_cache(model)
+        logits = model(mx.array(rows(batch, prompt, vocab)), cache=cache)
+        state = {"next": mx.argmax(logits[:, -1, :], axis=-1)[:, None]}
+        mx.eval(state["next"])
+
+        def step() -> None:
+            logits = model(state["next"], cache=cache)
+            state["next"] = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
+            mx.eval(state["next"])
+
+        return step
+
+    return start
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=["transformers", "mlx"], required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=128, help="timed decode steps")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args(argv)
+    start = (torch_loop if args.engine == "transformers" else mlx_loop)(args.model)
+    start(1, 8)()  # warm-up: first calls allocate and pick kernels
+    for batch in args.batches:
+        best = float("inf")
+        for _ in range(args.repeats):
+            step = start(batch, args.prompt)
+            step()  # the first step after a prefill is not timed
+            started = time.perf_counter()
+            for _ in range(args.tokens):
+                step()
+            best = min(best, (time.perf_counter() - started) / args.tokens)
+        print(json.dumps({"batch": batch, "step": best, "tokens_per_s": batch / best}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

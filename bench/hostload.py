@@ -1,0 +1,88 @@
+"""How busy the host is with work that is not ours (Linux ``/proc``).
+
+A benchmark on a small shared machine is at the mercy of whatever else runs:
+on 2 cores, one busy process elsewhere can halve a 2-thread torch step or
+worse (every OpenMP region waits for its descheduled thread). This module
+measures the CPU used by processes *outside* this process's tree (the
+benchmark, its servers and its bare-engine subprocesses are inside it), so a
+benchmark can wait for a quiet host, and flag or repeat a measurement taken
+on a busy one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+
+def busy_ticks() -> int:
+    """CPU ticks spent not idle, by everything on the host, since boot."""
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:9]]
+    return sum(fields) - fields[3] - fields[4]  # less idle and iowait
+
+
+def tree_ticks(root: int) -> int:
+    """CPU ticks of ``root`` and its live descendants, each with the time of
+    its children that have already exited and been waited for."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                rest = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        # rest[0] is field 3 (state): ppid, utime, stime, cutime, cstime are fields 4, 14-17.
+        parents[int(entry)] = int(rest[1])
+        ticks[int(entry)] = sum(int(v) for v in rest[11:15])
+    total = 0
+    for pid, own in ticks.items():
+        node = pid
+        while node > 1:
+            if node == root:
+                total += own
+                break
+            node = parents.get(node, 0)
+    return total
+
+
+@dataclass(slots=True)
+class Span:
+    """CPU used by others (in cores) between its start and :meth:`other_cores`."""
+
+    started: float
+    busy: int
+    ours: int
+
+    @classmethod
+    def start(cls) -> Span:
+        return cls(time.perf_counter(), busy_ticks(), tree_ticks(os.getpid()))
+
+    def other_cores(self) -> float:
+        wall = time.perf_counter() - self.started
+        other = (busy_ticks() - self.busy) - (tree_ticks(os.getpid()) - self.ours)
+        return max(0.0, other / os.sysconf("SC_CLK_TCK") / wall) if wall > 0 else 0.0
+
+
+def wait_quiet(threshold: float, *, window: float = 2.0, patience: float = 180.0) -> float:
+    """Wait until others use less than ``threshold`` cores over ``window``
+    seconds, or ``patience`` seconds have passed. Return the seconds waited."""
+    started = time.perf_counter()
+    announced = False
+    while True:
+        span = Span.start()
+        time.sleep(window)
+        other = span.other_cores()
+        waited = time.perf_counter() - started
+        if other < threshold:
+            return waited
+        if waited >= patience:
+            print(f"    host still busy ({other:.2f} other cores); measuring anyway", flush=True)
+            return waited
+        if not announced:
+            print(f"    host busy ({other:.2f} other cores): waiting for it to calm", flush=True)
+            announced = True

@@ -1,0 +1,237 @@
+"""A loopback load generator: closed-loop, streaming ``/v1/completions`` clients.
+
+``concurrency`` clients each send ``requests_per_client`` requests one after
+the other (a new one as soon as the last finished), every request streamed,
+greedy, with a fixed prompt length and ``max_tokens``. Every request gets its
+own prompt (prompts never repeat within a server's run), so that a server's
+prefix cache cannot skip the prefill that another server has to do.
+
+Per request it records when it was sent, when each token-carrying chunk
+arrived, and how many tokens the server says it generated (``usage``, where
+the server sends it; else the count of token chunks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One server under load and what it accepts."""
+
+    base_url: str
+    model: str
+    #: Send ``ignore_eos: true`` (a vLLM extension; not every server takes it).
+    ignore_eos: bool = True
+    #: Send ``stream_options.include_usage`` (else rely on a usage the server sends anyway).
+    include_usage: bool = True
+
+
+@dataclass(slots=True)
+class Sample:
+    """One request, as the client saw it."""
+
+    sent: float
+    arrivals: list[float] = field(default_factory=list)
+    usage_tokens: int | None = None
+    prompt_tokens: int | None = None
+    finished: bool = False
+    error: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.usage_tokens if self.usage_tokens is not None else len(self.arrivals)
+
+
+def prompts_of_length(tokenizer_json: str, text: str, length: int, count: int) -> list[str]:
+    """``count`` distinct prompts that each tokenize to exactly ``length`` ids.
+
+    Each prompt is a window of ``text`` starting at a different word, cut to
+    ``length`` tokens and kept only if its text encodes back to ``length``
+    tokens (a cut can fall inside a merge).
+    """
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(tokenizer_json)
+    words = text.split()
+    found: list[str] = []
+    seen: set[str] = set()
+    for start in range(len(words)):
+        ids: list[int] = []
+        end = start
+        while len(ids) < length and end < len(words):
+            end = min(len(words), end + 16)
+            ids = tokenizer.encode(" ".join(words[start:end]), add_special_tokens=False).ids
+        if len(ids) < length:
+            break
+        prompt = tokenizer.decode(ids[:length], skip_special_tokens=False)
+        if prompt in seen:
+            continue
+        if len(tokenizer.encode(prompt, add_special_tokens=False).ids) == length:
+            seen.add(prompt)
+            found.append(prompt)
+            if len(found) == count:
+                return found
+    raise ValueError(f"the text yields only {len(found)} prompts of {length} tokens")
+
+
+async def stream_one(
+    client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int
+) -> Sample:
+    body: dict[str, object] = {
+        "model": target.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    if target.ignore_eos:
+        body["ignore_eos"] = True
+    if target.include_usage:
+        body["stream_options"] = {"include_usage": True}
+    sample = Sample(sent=time.perf_counter())
+    try:
+        async with client.stream("POST", f"{target.base_url}/v1/completions", json=body) as reply:
+            if reply.status_code != 200:
+                text = (await reply.aread()).decode(errors="replace")
+                sample.error = f"HTTP {reply.status_code}: {text[:200]}"
+                return sample
+            async for line in reply.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank lines, SSE comments (keepalives)
+                now = time.perf_counter()
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    sample.error = f"stream error: {str(chunk['error'])[:200]}"
+                    return sample
+                usage = chunk.get("usage")
+                if usage:
+                    sample.usage_tokens = int(usage["completion_tokens"])
+                    sample.prompt_tokens = int(usage["prompt_tokens"])
+                for choice in chunk.get("choices") or ():
+                    if choice.get("finish_reason"):
+                        sample.finished = True
+                    elif choice.get("text") is not None:
+                        sample.arrivals.append(now)
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as error:
+        sample.error = f"{type(error).__name__}: {error}"[:200]
+        return sample
+    if not sample.finished:
+        sample.error = "the stream ended without a finish_reason"
+    elif target.ignore_eos and sample.tokens != max_tokens:
+        sample.error = f"{sample.tokens} tokens, not max_tokens={max_tokens}, with ignore_eos"
+    elif not sample.arrivals:
+        sample.error = "no token chunk"
+    return sample
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """One concurrency level's requests and wall time."""
+
+    concurrency: int
+    samples: tuple[Sample, ...]
+    wall: float
+
+    @property
+    def good(self) -> list[Sample]:
+        return [s for s in self.samples if s.error is None]
+
+    @property
+    def errors(self) -> int:
+        return len(self.samples) - len(self.good)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.samples if s.error is None)
+
+    @property
+    def throughput(self) -> float:
+        """Output tokens per second over the level's wall time (prefill included)."""
+        return self.tokens / self.wall
+
+    @property
+    def decode_throughput(self) -> float:
+        """``concurrency`` over the mean time per token after each request's
+        first: the batch's steady decode rate as the streams saw it."""
+        return self.concurrency / self.time_per_token if self.time_per_token else 0.0
+
+    @property
+    def time_per_token(self) -> float:
+        """Seconds per token after the first, over all requests (token-weighted)."""
+        spans = [(s.arrivals[-1] - s.arrivals[0], s.tokens - 1) for s in self.good if s.tokens > 1]
+        tokens = sum(n for _, n in spans)
+        return sum(t for t, _ in spans) / tokens if tokens else 0.0
+
+    def ttft(self, q: float) -> float:
+        values = [s.arrivals[0] - s.sent for s in self.good]
+        return float(np.percentile(values, q)) if values else float("nan")
+
+    def itl(self, q: float) -> float:
+        gaps = np.concatenate([np.diff(s.arrivals) for s in self.good] or [np.zeros(0)])
+        return float(np.percentile(gaps, q)) if gaps.size else float("nan")
+
+    @property
+    def tokens_per_request(self) -> float:
+        good = self.good
+        return sum(s.tokens for s in good) / len(good) if good else 0.0
+
+    @property
+    def prompt_tokens(self) -> set[int]:
+        return {s.prompt_tokens for s in self.good if s.prompt_tokens is not None}
+
+    def first_errors(self, limit: int = 3) -> list[str]:
+        return [s.error for s in self.samples if s.error is not None][:limit]
+
+
+async def run_level(
+    target: Target,
+    prompts: Iterator[str],
+    *,
+    concurrency: int,
+    requests_per_client: int,
+    max_tokens: int,
+    request_timeout: float = 900.0,
+) -> Level:
+    """``concurrency`` closed-loop clients, each sending ``requests_per_client`` requests."""
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
+    timeouts = httpx.Timeout(request_timeout, connect=30.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeouts) as client:
+
+        async def one_client(batch: Sequence[str]) -> list[Sample]:
+            return [await stream_one(client, target, prompt, max_tokens) for prompt in batch]
+
+        batches = [[next(prompts) for _ in range(requests_per_client)] for _ in range(concurrency)]
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one_client(batch) for batch in batches))
+        wall = time.perf_counter() - started
+    return Level(concurrency, tuple(s for batch in results for s in batch), wall)
+
+
+async def wait_healthy(
+    base_url: str, within: float, alive: Callable[[], bool] | None = None
+) -> None:
+    """Poll ``GET /health`` until it answers 200 (``alive()`` false: give up)."""
+    deadline = time.monotonic() + within
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            if alive is not None and not alive():
+                raise RuntimeError("the server exited before it was ready")
+            try:
+                if (await client.get(f"{base_url}/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.25)
+    raise TimeoutError(f"{base_url} was not healthy within {within:.0f} s")
