@@ -45,6 +45,8 @@ class Sample:
     prompt_tokens: int | None = None
     finished: bool = False
     error: str | None = None
+    #: Attempts that failed to connect or got no response before this one.
+    retries: int = 0
 
     @property
     def tokens(self) -> int:
@@ -83,6 +85,10 @@ def prompts_of_length(tokenizer_json: str, text: str, length: int, count: int) -
     raise ValueError(f"the text yields only {len(found)} prompts of {length} tokens")
 
 
+#: Connection failures before any response are retried, as the OpenAI SDK does (twice).
+CONNECT_RETRIES = 2
+
+
 async def stream_one(
     client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int
 ) -> Sample:
@@ -98,12 +104,36 @@ async def stream_one(
     if target.include_usage:
         body["stream_options"] = {"include_usage": True}
     sample = Sample(sent=time.perf_counter())
+    for attempt in range(CONNECT_RETRIES + 1):
+        responded = await _stream_into(sample, client, target, body)
+        if responded or attempt == CONNECT_RETRIES:
+            break
+        sample.retries += 1
+        sample.error = None
+        await asyncio.sleep(0.05 * 2**attempt)
+    if sample.error is not None:
+        return sample
+    if not sample.finished:
+        sample.error = "the stream ended without a finish_reason"
+    elif target.ignore_eos and sample.tokens != max_tokens:
+        sample.error = f"{sample.tokens} tokens, not max_tokens={max_tokens}, with ignore_eos"
+    elif not sample.arrivals:
+        sample.error = "no token chunk"
+    return sample
+
+
+async def _stream_into(
+    sample: Sample, client: httpx.AsyncClient, target: Target, body: dict[str, object]
+) -> bool:
+    """One attempt; returns whether the server answered at all (else it may be retried)."""
+    responded = False
     try:
         async with client.stream("POST", f"{target.base_url}/v1/completions", json=body) as reply:
+            responded = True
             if reply.status_code != 200:
                 text = (await reply.aread()).decode(errors="replace")
                 sample.error = f"HTTP {reply.status_code}: {text[:200]}"
-                return sample
+                return True
             async for line in reply.aiter_lines():
                 if not line.startswith("data:"):
                     continue  # blank lines, SSE comments (keepalives)
@@ -114,7 +144,7 @@ async def stream_one(
                 chunk = json.loads(data)
                 if "error" in chunk:
                     sample.error = f"stream error: {str(chunk['error'])[:200]}"
-                    return sample
+                    return True
                 usage = chunk.get("usage")
                 if usage:
                     sample.usage_tokens = int(usage["completion_tokens"])
@@ -126,14 +156,7 @@ async def stream_one(
                         sample.arrivals.append(now)
     except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as error:
         sample.error = f"{type(error).__name__}: {error}"[:200]
-        return sample
-    if not sample.finished:
-        sample.error = "the stream ended without a finish_reason"
-    elif target.ignore_eos and sample.tokens != max_tokens:
-        sample.error = f"{sample.tokens} tokens, not max_tokens={max_tokens}, with ignore_eos"
-    elif not sample.arrivals:
-        sample.error = "no token chunk"
-    return sample
+    return responded
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +213,10 @@ class Level:
     @property
     def prompt_tokens(self) -> set[int]:
         return {s.prompt_tokens for s in self.good if s.prompt_tokens is not None}
+
+    @property
+    def retries(self) -> int:
+        return sum(s.retries for s in self.samples)
 
     def first_errors(self, limit: int = 3) -> list[str]:
         return [s.error for s in self.samples if s.error is not None][:limit]

@@ -337,7 +337,7 @@ def progress_line(level: Level, other: float) -> str:
     return (
         f"c={level.concurrency:<3} {level.throughput:8.1f} tok/s  decode {level.decode_throughput:8.1f}"
         f"  TTFT p50 {level.ttft(50) * 1e3:7.1f} ms  ITL p50 {level.itl(50) * 1e3:6.1f} ms"
-        f"  errors {level.errors}  other CPU {other:.2f}"
+        f"  errors {level.errors}  reconnects {level.retries}  other CPU {other:.2f}"
     )
 
 
@@ -376,7 +376,8 @@ def section_table(section: Section, settings: Settings) -> list[str]:
                 f"| {level.decode_throughput:.1f} | {f'{bare:.1f}' if bare else '-'} "
                 f"| {ratio} | {decode_ratio} | {ms(level.ttft(50))} | {ms(level.ttft(99))} "
                 f"| {ms(level.itl(50))} | {ms(level.itl(99))} | {level.tokens_per_request:.1f} "
-                f"| {level.errors} | {other:.2f}{' ⚠' if other > 0.25 else ''} |"
+                f"| {level.errors}{f' ({level.retries} reconnects)' if level.retries else ''} "
+                f"| {other:.2f}{' ⚠' if other > settings.busy else ''} |"
             )
     lines.append("")
     for run in section.runs:
@@ -483,9 +484,11 @@ def report(sections: Sequence[Section], settings: Settings, header: str) -> str:
         "Columns: *tok/s* is output tokens over the level's wall time (prefill and TTFT "
         "included); *decode tok/s* is concurrency over the mean time per token after each "
         "request's first (the streams' steady rate), which is what the bare engine's decode "
-        "loop measures; *ITL* is the gap between token chunks; *other CPU* is the cores "
-        "used by processes other than the benchmark and the server during the level (⚠ "
-        "above 0.25: that row was measured on a busy host).",
+        "loop measures; *ITL* is the gap between token chunks; *reconnects*: requests "
+        "that could not connect (or got no response) and were retried, as the OpenAI SDK "
+        "does; *other CPU* is the cores used by processes other than the benchmark and the "
+        f"server during the level (⚠ above {settings.busy}: measured on a busy host, "
+        "after retries).",
     ]
     return "\n".join(lines) + "\n"
 
