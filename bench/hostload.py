@@ -86,3 +86,21 @@ def wait_quiet(threshold: float, *, window: float = 2.0, patience: float = 180.0
         if not announced:
             print(f"    host busy ({other:.2f} other cores): waiting for it to calm", flush=True)
             announced = True
+
+
+def thread_ticks(pid: int) -> dict[int, int]:
+    """CPU ticks of each thread of ``pid``, by native thread id (Python 3.11
+    does not name OS threads, so roles are told apart by id, not by name)."""
+    ticks: dict[int, int] = {}
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return ticks
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                rest = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks[int(tid)] = int(rest[11]) + int(rest[12])
+    return ticks

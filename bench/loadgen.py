@@ -166,6 +166,8 @@ class Level:
     concurrency: int
     samples: tuple[Sample, ...]
     wall: float
+    #: ``time.perf_counter()`` when the first request was sent.
+    started: float = 0.0
 
     @property
     def good(self) -> list[Sample]:
@@ -243,7 +245,7 @@ async def run_level(
         started = time.perf_counter()
         results = await asyncio.gather(*(one_client(batch) for batch in batches))
         wall = time.perf_counter() - started
-    return Level(concurrency, tuple(s for batch in results for s in batch), wall)
+    return Level(concurrency, tuple(s for batch in results for s in batch), wall, started)
 
 
 async def wait_healthy(

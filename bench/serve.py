@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import glob
 import itertools
 import json
@@ -46,9 +47,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hostload import Span, wait_quiet
+from hostload import Span, thread_ticks, wait_quiet
 from loadgen import Level, Target, prompts_of_length, run_level, wait_healthy
 from models import parameter_count, serving_model, shipped_corpus, synthetic_corpus
+from trace_server import Summary, summarise, thread_roles
 
 from sluiceway.engines.default_model import default_model_dir
 
@@ -88,6 +90,10 @@ class ServerRun:
     other_cpu: list[float] = field(default_factory=list)
     failure: str | None = None
     note: str = ""
+    #: With --trace: per level, where the server's time went, and its CPU by thread role.
+    traces: list[Summary | None] = field(default_factory=list)
+    thread_cpu: list[dict[str, float]] = field(default_factory=list)
+    level_ticks: list[dict[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -114,6 +120,7 @@ class Settings:
     #: Cores used by other processes above which a measurement is repeated.
     busy: float
     retries: int
+    trace: bool
 
 
 # --- processes --------------------------------------------------------------
@@ -173,11 +180,21 @@ def peers_python(venv: Path, setup: bool) -> tuple[str | None, str]:
 
 
 def server_command(
-    server: str, engine: str, model: Path, port: int, settings: Settings, peer_python: str | None
+    server: str,
+    engine: str,
+    model: Path,
+    port: int,
+    settings: Settings,
+    peer_python: str | None,
+    trace: str | None,
 ) -> list[str]:
     if server == OURS:
+        launcher = (
+            [PYTHON, str(HERE / "trace_server.py"), trace] if trace else [PYTHON, "-m", "sluiceway"]
+        )
         return [
-            *(PYTHON, "-m", "sluiceway", "serve", "--model", str(model), "--engine", engine),
+            *launcher,
+            *("serve", "--model", str(model), "--engine", engine),
             *("--port", str(port), "--max-num-seqs", str(max(settings.concurrency))),
             *("--log-level", "warning", "--worker-class", settings.worker_class),
         ]
@@ -251,8 +268,12 @@ def run_server(
 ) -> ServerRun:
     run = ServerRun(server)
     port = free_port()
+    trace = None
+    if settings.trace and server == OURS:
+        handle, trace = tempfile.mkstemp(prefix="bench-trace-", suffix=".json")
+        os.close(handle)
     command = server_command(
-        server, section.engine, section.model.path, port, settings, peer_python
+        server, section.engine, section.model.path, port, settings, peer_python, trace
     )
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115  # closed in finally
         "w+", prefix=f"bench-{server.split()[0]}-", suffix=".log", delete=False
@@ -269,9 +290,12 @@ def run_server(
         asyncio.run(wait_healthy(target.base_url, 600, lambda: process.poll() is None))
         asyncio.run(warm_up(target, prompts, settings))
         for concurrency in settings.concurrency:
-            level, other = measure_level(server, target, prompts, concurrency, settings)
+            level, other, ticks = measure_level(
+                server, target, prompts, concurrency, settings, process.pid
+            )
             run.levels.append(level)
             run.other_cpu.append(other)
+            run.level_ticks.append(ticks)
             if process.poll() is not None:
                 raise RuntimeError(f"the server exited with {process.returncode}")
     except (RuntimeError, TimeoutError, OSError) as error:
@@ -291,17 +315,43 @@ def run_server(
             os.unlink(log.name)
         else:
             run.note = f"log: {log.name}"
+        if trace is not None:
+            read_trace(run, trace, process.pid)
     return run
 
 
+def read_trace(run: ServerRun, path: str, pid: int) -> None:
+    """Cut the server's step trace by level, and group its CPU by thread role."""
+    try:
+        with open(path) as file:
+            trace = json.load(file)
+    except (OSError, ValueError):
+        run.note += " (no trace written)"
+        return
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    hz = os.sysconf("SC_CLK_TCK")
+    for index, level in enumerate(run.levels):
+        run.traces.append(summarise(trace, level.started, level.started + level.wall))
+        grouped = thread_roles(trace, pid, run.level_ticks[index])
+        run.thread_cpu.append({role: t / hz / level.wall for role, t in grouped.items()})
+
+
 def measure_level(
-    server: str, target: Target, prompts: Iterator[str], concurrency: int, settings: Settings
-) -> tuple[Level, float]:
+    server: str,
+    target: Target,
+    prompts: Iterator[str],
+    concurrency: int,
+    settings: Settings,
+    pid: int,
+) -> tuple[Level, float, dict[int, int]]:
     """One concurrency level on a quiet host; repeated while others were busy
     during it (the attempt with the least other load is kept)."""
-    best: tuple[Level, float] | None = None
+    best: tuple[Level, float, dict[int, int]] | None = None
     for _ in range(settings.retries + 1):
         wait_quiet(settings.busy)
+        before = thread_ticks(pid) if settings.trace else {}
         span = Span.start()
         level = asyncio.run(
             run_level(
@@ -313,9 +363,11 @@ def measure_level(
             )
         )
         other = span.other_cores()
+        after = thread_ticks(pid) if settings.trace else {}
+        ticks = {tid: t - before.get(tid, 0) for tid, t in after.items()}
         print(f"  {server:>18} {progress_line(level, other)}", flush=True)
         if best is None or other < best[1]:
-            best = (level, other)
+            best = (level, other, ticks)
         if other <= settings.busy:
             break
     assert best is not None
@@ -472,6 +524,45 @@ def pipeline_cost(sections: Sequence[Section]) -> list[str]:
     return lines
 
 
+def time_breakdown(sections: Sequence[Section]) -> list[str]:
+    rows = []
+    for section in sections:
+        ours = run_named(section, OURS)
+        if ours is None or not ours.traces:
+            continue
+        for level, summary, cpu in zip(ours.levels, ours.traces, ours.thread_cpu, strict=True):
+            if summary is None:
+                continue
+            bare = section.bare_step.get(level.concurrency)
+            rows.append(
+                f"| {section.engine} | {section.model.key} | {level.concurrency} "
+                f"| {level.decode_throughput:.1f} | {summary.engine_busy:.0%} "
+                f"| {summary.decode_step * 1e3:.2f} ({summary.decode_rows:.1f} rows) "
+                f"| {f'{bare * 1e3:.2f}' if bare else '-'} | {summary.gap * 1e3:.2f} "
+                f"| {summary.sample * 1e3:.2f} | {cpu.get('event loop', 0.0):.2f} "
+                f"| {cpu.get('engine', 0.0):.2f} | {cpu.get('sampler', 0.0):.2f} "
+                f"| {cpu.get('compute', 0.0):.2f} |"
+            )
+    if not rows:
+        return []
+    return [
+        "## Where our server's time goes (`--trace`)",
+        "",
+        "Engine steps timed inside the server (bench/trace_server.py). *engine busy*: "
+        "share of the wall the engine thread spent in steps; *decode step*: mean "
+        "decode-only step, against the bare loop's step at the same batch; *gap*: mean "
+        "engine idle time between two decode steps (sampling, fan-out, planning, thread "
+        "hops); *sampler*: mean sampler step; then CPU cores used per thread role over the "
+        "level (*compute*: torch's OpenMP / BLAS threads and idle pool threads).",
+        "",
+        "| engine | model | conc | decode tok/s | engine busy | decode step ms | bare step ms "
+        "| gap ms | sampler ms | event loop | engine thread | sampler threads | compute |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        *rows,
+        "",
+    ]
+
+
 def report(sections: Sequence[Section], settings: Settings, header: str) -> str:
     lines = [header, ""]
     for section in sections:
@@ -479,6 +570,8 @@ def report(sections: Sequence[Section], settings: Settings, header: str) -> str:
     lines += targets(sections)
     lines.append("")
     lines += pipeline_cost(sections)
+    lines.append("")
+    lines += time_breakdown(sections)
     lines += [
         "",
         "Columns: *tok/s* is output tokens over the level's wall time (prefill and TTFT "
@@ -545,6 +638,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="other processes' CPU (cores) above which a measurement waits and is repeated",
     )
     parser.add_argument("--retries", type=int, default=2, help="repeats of a busy measurement")
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="time our server's engine steps and CPU by thread (bench/trace_server.py)",
+    )
     parser.add_argument("--output", type=Path, default=HERE / "serve-results.md")
     args = parser.parse_args(argv)
 
@@ -561,6 +659,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         worker_class=args.worker_class,
         busy=args.busy,
         retries=args.retries,
+        trace=args.trace,
     )
     engines = ["transformers", "mlx"] if args.engine == "both" else [args.engine]
     started = time.perf_counter()
