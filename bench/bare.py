@@ -15,6 +15,10 @@ JSON object per batch size on stdout:
 
     .venv/bin/python bench/bare.py --engine transformers --model DIR [--batches 1 4 16]
 
+With ``--stdin`` it then stays up and measures each batch size it reads from
+stdin (one repeat each), so that a caller can measure the bare engine right
+before and after measuring a server on the same host.
+
 Run it in a process of its own: an mlx CPU thread pool and torch's OpenMP
 threads in one process slow each other down badly on a small machine.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -95,16 +100,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=["transformers", "mlx"], required=True)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 4, 16])
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128, help="timed decode steps")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--stdin",
+        action="store_true",
+        help="after the batches, measure each batch size read from stdin (one per line)",
+    )
     args = parser.parse_args(argv)
     start = (torch_loop if args.engine == "transformers" else mlx_loop)(args.model)
     start(1, 8)()  # warm-up: first calls allocate and pick kernels
-    for batch in args.batches:
+
+    def measure(batch: int, repeats: int) -> None:
         best = float("inf")
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             step = start(batch, args.prompt)
             step()  # the first step after a prefill is not timed
             started = time.perf_counter()
@@ -112,6 +123,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                 step()
             best = min(best, (time.perf_counter() - started) / args.tokens)
         print(json.dumps({"batch": batch, "step": best, "tokens_per_s": batch / best}), flush=True)
+
+    for batch in args.batches:
+        measure(batch, args.repeats)
+    if args.stdin:
+        print("ready", flush=True)
+        for line in sys.stdin:
+            if line.strip():
+                measure(int(line), 1)
 
 
 if __name__ == "__main__":

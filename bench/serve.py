@@ -36,7 +36,6 @@ import contextlib
 import glob
 import itertools
 import json
-import math
 import os
 import socket
 import subprocess
@@ -44,13 +43,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from hostload import Span, thread_ticks, wait_quiet
 from loadgen import Level, Target, prompts_of_length, run_level, wait_healthy
 from models import parameter_count, serving_model, shipped_corpus, synthetic_corpus
-from trace_server import Summary, summarise, thread_roles
+from report import OURS, Model, Section, ServerRun, Settings, render
+from trace_server import summarise, thread_roles
 
 from sluiceway.engines.default_model import default_model_dir
 
@@ -68,59 +67,7 @@ BARE_BATCHES = (1, 4, 16)
 #: Requests per client at each concurrency (a closed loop: the next one starts
 #: when the last one ends).
 REQUESTS_PER_CLIENT = {1: 4, 4: 2, 16: 2, 64: 1}
-OURS = "sluiceway"
 PEER_OF = {"mlx": "mlx_lm.server", "transformers": "transformers serve"}
-#: Targets: our decode rate over the bare engine's on the large model.
-TARGET_C1, TARGET_C16 = 0.95, 0.90
-
-
-@dataclass(frozen=True, slots=True)
-class Model:
-    key: str  # "large" / "tiny"
-    path: Path
-    label: str
-    prompts: tuple[str, ...]
-
-
-@dataclass(slots=True)
-class ServerRun:
-    server: str
-    levels: list[Level] = field(default_factory=list)
-    #: Other processes' CPU (cores) during each level: a busy host skews a row.
-    other_cpu: list[float] = field(default_factory=list)
-    failure: str | None = None
-    note: str = ""
-    #: With --trace: per level, where the server's time went, and its CPU by thread role.
-    traces: list[Summary | None] = field(default_factory=list)
-    thread_cpu: list[dict[str, float]] = field(default_factory=list)
-    level_ticks: list[dict[int, int]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Section:
-    engine: str
-    model: Model
-    bare: dict[int, float] = field(default_factory=dict)  # batch -> tokens/s
-    bare_step: dict[int, float] = field(default_factory=dict)  # batch -> seconds
-    bare_failure: str | None = None
-    bare_other: float = 0.0
-    runs: list[ServerRun] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    concurrency: tuple[int, ...]
-    max_tokens: int
-    prompt_tokens: int
-    requests_per_client: dict[int, int]
-    bare_repeats: int
-    openblas: str | None
-    peers: bool
-    worker_class: str
-    #: Cores used by other processes above which a measurement is repeated.
-    busy: float
-    retries: int
-    trace: bool
 
 
 # --- processes --------------------------------------------------------------
@@ -225,38 +172,76 @@ def target_for(server: str, port: int, model: Path) -> Target:
 # --- running ----------------------------------------------------------------
 
 
-def run_bare(section: Section, settings: Settings) -> None:
-    """The bare engine in its own process; repeated (best per batch kept)
-    while other processes were busy during it."""
-    command = [
-        *(PYTHON, str(HERE / "bare.py"), "--engine", section.engine),
-        *("--model", str(section.model.path), "--batches", *map(str, BARE_BATCHES)),
-        *("--prompt", str(settings.prompt_tokens), "--tokens", str(settings.max_tokens)),
-        *("--repeats", str(settings.bare_repeats)),
-    ]
-    for attempt in range(settings.retries + 1):
-        wait_quiet(settings.busy)
-        span = Span.start()
-        done = subprocess.run(
-            command, capture_output=True, text=True, env=env_for(section.engine, settings)
+class BareEngine:
+    """The bare decode loop (``bench/bare.py --stdin``) in a process of its own,
+    kept up through the section so that it can be measured right before and
+    after each of our levels: a drift of the host then hits both alike."""
+
+    def __init__(self, section: Section, settings: Settings) -> None:
+        command = [
+            *(PYTHON, str(HERE / "bare.py"), "--engine", section.engine),
+            *("--model", str(section.model.path), "--batches", "--stdin"),
+            *("--prompt", str(settings.prompt_tokens), "--tokens", str(settings.max_tokens)),
+        ]
+        self._process = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env_for(section.engine, settings),
         )
-        other = span.other_cores()
-        if done.returncode != 0:
-            section.bare_failure = done.stderr.strip()[-500:]
-            print(f"  bare engine failed: {section.bare_failure}", flush=True)
-            return
-        for line in done.stdout.splitlines():
-            if line.startswith("{"):
-                row = json.loads(line)
-                batch = row["batch"]
-                if row["tokens_per_s"] > section.bare.get(batch, 0.0):
-                    section.bare[batch] = row["tokens_per_s"]
-                    section.bare_step[batch] = row["step"]
-        section.bare_other = other if attempt == 0 else min(section.bare_other, other)
-        cells = ", ".join(f"batch {b}: {r:.1f} tok/s" for b, r in section.bare.items())
-        print(f"  bare engine: {cells}  other CPU {other:.2f}", flush=True)
-        if other <= settings.busy:
-            return
+        self._read()  # "ready", once the model is loaded and warm
+
+    def _read(self) -> str:
+        assert self._process.stdout is not None
+        line = self._process.stdout.readline()
+        if not line:
+            assert self._process.stderr is not None
+            raise RuntimeError(self._process.stderr.read().strip()[-500:] or "bare.py exited")
+        return line
+
+    def measure(self, batch: int) -> tuple[float, float]:
+        """Tokens/s and seconds per step at ``batch``."""
+        assert self._process.stdin is not None
+        self._process.stdin.write(f"{batch}\n")
+        self._process.stdin.flush()
+        row = json.loads(self._read())
+        time.sleep(0.3)  # let its compute threads stop spinning before anything else runs
+        return float(row["tokens_per_s"]), float(row["step"])
+
+    def close(self) -> None:
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        try:
+            self._process.wait(30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
+def start_bare(section: Section, settings: Settings) -> BareEngine | None:
+    """Start the bare engine and measure every batch size: the best of
+    ``bare_repeats``, each repeated while other processes were busy."""
+    try:
+        bare = BareEngine(section, settings)
+    except RuntimeError as error:
+        section.bare_failure = str(error)
+        print(f"  bare engine failed: {error}", flush=True)
+        return None
+    for batch in BARE_BATCHES:
+        for _ in range(settings.bare_repeats):
+            for _ in range(settings.retries + 1):
+                wait_quiet(settings.busy)
+                span = Span.start()
+                rate, step = bare.measure(batch)
+                if rate > section.bare.get(batch, 0.0):
+                    section.bare[batch], section.bare_step[batch] = rate, step
+                if span.other_cores() <= settings.busy:
+                    break
+    cells = ", ".join(f"batch {b}: {r:.1f} tok/s" for b, r in section.bare.items())
+    print(f"  bare engine: {cells}", flush=True)
+    return bare
 
 
 def run_server(
@@ -265,6 +250,7 @@ def run_server(
     settings: Settings,
     prompts: Iterator[str],
     peer_python: str | None,
+    bare: BareEngine | None,
 ) -> ServerRun:
     run = ServerRun(server)
     port = free_port()
@@ -290,11 +276,23 @@ def run_server(
         asyncio.run(wait_healthy(target.base_url, 600, lambda: process.poll() is None))
         asyncio.run(warm_up(target, prompts, settings))
         for concurrency in settings.concurrency:
-            level, other, ticks = measure_level(
+            paired = bare if server == OURS and concurrency in BARE_BATCHES else None
+            before = paired.measure(concurrency) if paired else None
+            level, other, client, ticks = measure_level(
                 server, target, prompts, concurrency, settings, process.pid
             )
+            if paired is not None and before is not None:
+                after = paired.measure(concurrency)
+                run.paired_bare[concurrency] = (before[0] + after[0]) / 2
+                run.paired_step[concurrency] = (before[1] + after[1]) / 2
+                print(
+                    f"  {'bare engine':>18} c={concurrency:<3} {before[0]:8.1f} tok/s before, "
+                    f"{after[0]:.1f} after",
+                    flush=True,
+                )
             run.levels.append(level)
             run.other_cpu.append(other)
+            run.client_cpu.append(client)
             run.level_ticks.append(ticks)
             if process.poll() is not None:
                 raise RuntimeError(f"the server exited with {process.returncode}")
@@ -345,14 +343,17 @@ def measure_level(
     concurrency: int,
     settings: Settings,
     pid: int,
-) -> tuple[Level, float, dict[int, int]]:
+) -> tuple[Level, float, float, dict[int, int]]:
     """One concurrency level on a quiet host; repeated while others were busy
-    during it (the attempt with the least other load is kept)."""
-    best: tuple[Level, float, dict[int, int]] | None = None
+    during it (the attempt with the least other load is kept). Returns the
+    level, the cores others used, the cores the load generator used, and the
+    server's CPU ticks per thread (with --trace)."""
+    best: tuple[Level, float, float, dict[int, int]] | None = None
     for _ in range(settings.retries + 1):
         wait_quiet(settings.busy)
         before = thread_ticks(pid) if settings.trace else {}
         span = Span.start()
+        cpu = time.process_time()
         level = asyncio.run(
             run_level(
                 target,
@@ -362,12 +363,13 @@ def measure_level(
                 max_tokens=settings.max_tokens,
             )
         )
+        client = (time.process_time() - cpu) / level.wall
         other = span.other_cores()
         after = thread_ticks(pid) if settings.trace else {}
         ticks = {tid: t - before.get(tid, 0) for tid, t in after.items()}
         print(f"  {server:>18} {progress_line(level, other)}", flush=True)
         if best is None or other < best[1]:
-            best = (level, other, ticks)
+            best = (level, other, client, ticks)
         if other <= settings.busy:
             break
     assert best is not None
@@ -391,199 +393,6 @@ def progress_line(level: Level, other: float) -> str:
         f"  TTFT p50 {level.ttft(50) * 1e3:7.1f} ms  ITL p50 {level.itl(50) * 1e3:6.1f} ms"
         f"  errors {level.errors}  reconnects {level.retries}  other CPU {other:.2f}"
     )
-
-
-# --- report -----------------------------------------------------------------
-
-
-def ms(seconds: float) -> str:
-    return "-" if math.isnan(seconds) else f"{seconds * 1e3:.1f}"
-
-
-def section_table(section: Section, settings: Settings) -> list[str]:
-    lines = [
-        f"### {section.engine} engine, {section.model.key} model ({section.model.label})",
-        "",
-    ]
-    if section.bare:
-        bare = ", ".join(f"batch {b}: **{r:.1f}** tok/s" for b, r in section.bare.items())
-        lines += [f"Bare engine (plain decode loop, no server): {bare}.", ""]
-    elif section.bare_failure:
-        lines += [f"Bare engine failed: `{section.bare_failure[-200:]}`", ""]
-    lines += [
-        "| server | conc | tok/s | decode tok/s | bare tok/s | tok/s ÷ bare | decode ÷ bare "
-        "| TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tok/req | errors | other CPU |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
-    ]
-    for run in section.runs:
-        if run.failure is not None and not run.levels:
-            lines.append(f"| {run.server} | - | failed: {run.failure[:120]} |" + " |" * 11)
-            continue
-        for level, other in zip(run.levels, run.other_cpu, strict=True):
-            bare = section.bare.get(level.concurrency)
-            ratio = f"{level.throughput / bare:.3f}" if bare else "-"
-            decode_ratio = f"{level.decode_throughput / bare:.3f}" if bare else "-"
-            lines.append(
-                f"| {run.server} | {level.concurrency} | {level.throughput:.1f} "
-                f"| {level.decode_throughput:.1f} | {f'{bare:.1f}' if bare else '-'} "
-                f"| {ratio} | {decode_ratio} | {ms(level.ttft(50))} | {ms(level.ttft(99))} "
-                f"| {ms(level.itl(50))} | {ms(level.itl(99))} | {level.tokens_per_request:.1f} "
-                f"| {level.errors}{f' ({level.retries} reconnects)' if level.retries else ''} "
-                f"| {other:.2f}{' ⚠' if other > settings.busy else ''} |"
-            )
-    lines.append("")
-    for run in section.runs:
-        if run.note or run.failure:
-            lines.append(f"- {run.server}: {run.failure or ''} {run.note}".rstrip())
-        errors = [e for level in run.levels for e in level.first_errors()]
-        if errors:
-            lines.append(f"- {run.server} errors, e.g.: `{errors[0]}`")
-        prompt_sizes = set().union(*(level.prompt_tokens for level in run.levels))
-        if prompt_sizes and prompt_sizes != {settings.prompt_tokens}:
-            lines.append(f"- {run.server} counted prompts of {sorted(prompt_sizes)} tokens")
-    return lines
-
-
-def level_of(run: ServerRun | None, concurrency: int) -> Level | None:
-    if run is None:
-        return None
-    return next((lv for lv in run.levels if lv.concurrency == concurrency), None)
-
-
-def run_named(section: Section, server: str) -> ServerRun | None:
-    return next((r for r in section.runs if r.server == server), None)
-
-
-def verdict(ok: bool | None) -> str:
-    return "n/a" if ok is None else ("**met**" if ok else "**missed**")
-
-
-def targets(sections: Sequence[Section]) -> list[str]:
-    lines = ["## Targets", ""]
-    for section in sections:
-        ours = run_named(section, OURS)
-        name = f"{section.engine}, {section.model.key} model"
-        if section.model.key == "large":
-            for concurrency, goal in ((1, TARGET_C1), (16, TARGET_C16)):
-                level, bare = level_of(ours, concurrency), section.bare.get(concurrency)
-                if level is None or not bare:
-                    lines.append(f"- {name}: ≥ {goal} of bare at concurrency {concurrency}: n/a")
-                    continue
-                decode, e2e = level.decode_throughput / bare, level.throughput / bare
-                lines.append(
-                    f"- {name}: decode ≥ {goal} x bare engine at concurrency {concurrency}: "
-                    f"{decode:.3f} {verdict(decode >= goal)} (end to end, prefill and "
-                    f"TTFT included: {e2e:.3f})"
-                )
-        peer = next((r for r in section.runs if r.server != OURS), None)
-        if peer is not None and ours is not None and peer.levels:
-            behind = []
-            for level in ours.levels:
-                theirs = level_of(peer, level.concurrency)
-                if theirs is not None and level.throughput <= theirs.throughput:
-                    behind.append(
-                        f"c={level.concurrency}: {level.throughput:.1f} vs {theirs.throughput:.1f}"
-                    )
-            speedups = ", ".join(
-                f"c={lv.concurrency}: {lv.throughput / theirs.throughput:.2f}x"
-                for lv in ours.levels
-                if (theirs := level_of(peer, lv.concurrency)) is not None and theirs.throughput
-            )
-            lines.append(
-                f"- {name}: ahead of {peer.server} at every concurrency: "
-                f"{verdict(not behind)} ({speedups}){'; behind at ' + ', '.join(behind) if behind else ''}"
-            )
-        elif peer is not None:
-            lines.append(f"- {name}: ahead of {peer.server}: n/a ({peer.failure or peer.note})")
-        if ours is not None:
-            errors = sum(level.errors for level in ours.levels)
-            failed = ours.failure is not None
-            lines.append(
-                f"- {name}: zero errors: {verdict(errors == 0 and not failed)} "
-                f"({errors} failed requests{'; the run failed' if failed else ''})"
-            )
-    return lines
-
-
-def pipeline_cost(sections: Sequence[Section]) -> list[str]:
-    lines = ["## Our pipeline's cost per streamed token (tiny model, concurrency 1)", ""]
-    for section in sections:
-        if section.model.key != "tiny":
-            continue
-        level = level_of(run_named(section, OURS), 1)
-        bare = section.bare_step.get(1)
-        if level is None or bare is None:
-            lines.append(f"- {section.engine}: n/a")
-            continue
-        ours = level.time_per_token
-        lines.append(
-            f"- {section.engine}: {ours * 1e6:.0f} µs per streamed token, bare engine "
-            f"{bare * 1e6:.0f} µs per step: the pipeline adds **{(ours - bare) * 1e6:.0f} µs** "
-            f"per token ({ours / bare:.2f}x the bare step)"
-        )
-    return lines
-
-
-def time_breakdown(sections: Sequence[Section]) -> list[str]:
-    rows = []
-    for section in sections:
-        ours = run_named(section, OURS)
-        if ours is None or not ours.traces:
-            continue
-        for level, summary, cpu in zip(ours.levels, ours.traces, ours.thread_cpu, strict=True):
-            if summary is None:
-                continue
-            bare = section.bare_step.get(level.concurrency)
-            rows.append(
-                f"| {section.engine} | {section.model.key} | {level.concurrency} "
-                f"| {level.decode_throughput:.1f} | {summary.engine_busy:.0%} "
-                f"| {summary.decode_step * 1e3:.2f} ({summary.decode_rows:.1f} rows) "
-                f"| {f'{bare * 1e3:.2f}' if bare else '-'} | {summary.gap * 1e3:.2f} "
-                f"| {summary.sample * 1e3:.2f} | {cpu.get('event loop', 0.0):.2f} "
-                f"| {cpu.get('engine', 0.0):.2f} | {cpu.get('sampler', 0.0):.2f} "
-                f"| {cpu.get('compute', 0.0):.2f} |"
-            )
-    if not rows:
-        return []
-    return [
-        "## Where our server's time goes (`--trace`)",
-        "",
-        "Engine steps timed inside the server (bench/trace_server.py). *engine busy*: "
-        "share of the wall the engine thread spent in steps; *decode step*: mean "
-        "decode-only step, against the bare loop's step at the same batch; *gap*: mean "
-        "engine idle time between two decode steps (sampling, fan-out, planning, thread "
-        "hops); *sampler*: mean sampler step; then CPU cores used per thread role over the "
-        "level (*compute*: torch's OpenMP / BLAS threads and idle pool threads).",
-        "",
-        "| engine | model | conc | decode tok/s | engine busy | decode step ms | bare step ms "
-        "| gap ms | sampler ms | event loop | engine thread | sampler threads | compute |",
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
-        *rows,
-        "",
-    ]
-
-
-def report(sections: Sequence[Section], settings: Settings, header: str) -> str:
-    lines = [header, ""]
-    for section in sections:
-        lines += section_table(section, settings)
-    lines += targets(sections)
-    lines.append("")
-    lines += pipeline_cost(sections)
-    lines.append("")
-    lines += time_breakdown(sections)
-    lines += [
-        "",
-        "Columns: *tok/s* is output tokens over the level's wall time (prefill and TTFT "
-        "included); *decode tok/s* is concurrency over the mean time per token after each "
-        "request's first (the streams' steady rate), which is what the bare engine's decode "
-        "loop measures; *ITL* is the gap between token chunks; *reconnects*: requests "
-        "that could not connect (or got no response) and were retried, as the OpenAI SDK "
-        "does; *other CPU* is the cores used by processes other than the benchmark and the "
-        f"server during the level (⚠ above {settings.busy}: measured on a busy host, "
-        "after retries).",
-    ]
-    return "\n".join(lines) + "\n"
 
 
 # --- main ---------------------------------------------------------------------
@@ -684,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             section = Section(engine, model)
             sections.append(section)
             print(f"\n== {engine} engine, {model.key} model ({model.label})", flush=True)
-            run_bare(section, settings)
+            bare = start_bare(section, settings)
             servers = [OURS]
             if settings.peers:
                 servers.append(PEER_OF[engine])
@@ -693,7 +502,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                     section.runs.append(ServerRun(server, failure="not run", note=peer_note))
                     continue
                 prompts = itertools.cycle(model.prompts)  # the same prompts for every server
-                section.runs.append(run_server(server, section, settings, prompts, peer_python))
+                section.runs.append(
+                    run_server(server, section, settings, prompts, peer_python, bare)
+                )
+                if bare is not None:  # only our levels are paired with it
+                    bare.close()
+                    bare = None
 
     elapsed = time.perf_counter() - started
     header = (
@@ -707,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"warm-up. Host: {os.cpu_count()} CPUs; {mlx_note}; Hypercorn worker "
         f"{settings.worker_class}. Run took {elapsed / 60:.1f} min."
     )
-    text = report(sections, settings, header)
+    text = render(sections, settings, header)
     print("\n" + text)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
 import threading
 import time
@@ -32,29 +33,87 @@ STEPS: list[tuple[float, float, int, int]] = []
 SAMPLES: list[tuple[float, float, int]] = []
 #: Native ids of the threads that ran engine steps and sampler steps.
 THREADS: dict[str, set[int]] = {"engine": set(), "sampler": set()}
+#: (label, time) of each point a step passes, in order (see :data:`MARKS`).
+POINTS: list[tuple[str, float]] = []
 _LOCK = threading.Lock()
+
+#: The points of one scheduler step, in the order it passes them, and what
+#: the time from each to the next is spent on.
+MARKS = (
+    ("exec_start", "engine step"),
+    ("exec_end", "hop back to the event loop"),
+    ("absorb", "absorb, build the sampler's rows"),
+    ("to_sampler", "hop to the sampler thread"),
+    ("sample_start", "sampling"),
+    ("sample_end", "hop back, through the reducer"),
+    ("apply", "apply: finish checks, fan-out to requests"),
+    ("applied", "loop around, drain commands"),
+    ("plan", "plan the next step"),
+    ("submit", "hop to the engine thread"),
+)
+
+
+def _mark(label: str) -> None:
+    POINTS.append((label, time.perf_counter()))  # list.append is atomic
 
 
 def install() -> None:
-    from sluiceway.actors import sampler, scheduler
+    from sluiceway.actors import engine_work, sampler, scheduler
 
     execute = scheduler.execute
     sample_step = sampler.sample_step
+    cls = scheduler.Scheduler
+    absorb, sample, apply, plan = cls._absorb, cls._sample, cls._apply, cls._plan
 
-    def timed_execute(engine: Any, plan: Any) -> Any:
+    def timed_absorb(self: Any, *args: Any) -> Any:
+        _mark("absorb")
+        return absorb(self, *args)
+
+    async def timed_sample_call(self: Any, *args: Any) -> Any:
+        _mark("to_sampler")
+        return await sample(self, *args)
+
+    def timed_apply(self: Any, *args: Any) -> Any:
+        _mark("apply")
+        result = apply(self, *args)
+        _mark("applied")
+        return result
+
+    def timed_plan(self: Any) -> Any:
+        _mark("plan")
+        return plan(self)
+
+    run_on_thread = engine_work.EngineThread.run
+
+    async def timed_run(self: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
+        if function is timed_execute:
+            _mark("submit")
+        return await run_on_thread(self, function, *args, **kwargs)
+
+    engine_work.EngineThread.run = timed_run  # type: ignore[method-assign]
+    cls._absorb = timed_absorb  # type: ignore[method-assign]
+    cls._sample = timed_sample_call  # type: ignore[method-assign]
+    cls._apply = timed_apply  # type: ignore[method-assign]
+    cls._plan = timed_plan  # type: ignore[method-assign]
+
+    def timed_execute(engine: Any, step_plan: Any) -> Any:
         started = time.perf_counter()
-        outcome = execute(engine, plan)
+        POINTS.append(("exec_start", started))
+        outcome = execute(engine, step_plan)
         ended = time.perf_counter()
-        prefill = sum(len(work.tokens) for work in plan.prefills)
+        POINTS.append(("exec_end", ended))
+        prefill = sum(len(work.tokens) for work in step_plan.prefills)
         with _LOCK:
-            STEPS.append((started, ended, len(plan.decode), prefill))
+            STEPS.append((started, ended, len(step_plan.decode), prefill))
             THREADS["engine"].add(threading.get_native_id())
         return outcome
 
     def timed_sample(sampler_: Any, step: Any, config: Any) -> Any:
         started = time.perf_counter()
+        POINTS.append(("sample_start", started))
         result = sample_step(sampler_, step, config)
         ended = time.perf_counter()
+        POINTS.append(("sample_end", ended))
         with _LOCK:
             SAMPLES.append((started, ended, len(step.rows)))
             THREADS["sampler"].add(threading.get_native_id())
@@ -77,6 +136,8 @@ class Summary:
     gap: float
     #: Mean sampler time per step.
     sample: float
+    #: Mean time per segment of a decode-only step (see :data:`MARKS`), in seconds.
+    segments: dict[str, float]
 
 
 def summarise(trace: dict[str, Any], start: float, end: float) -> Summary | None:
@@ -98,7 +159,31 @@ def summarise(trace: dict[str, Any], start: float, end: float) -> Summary | None
         decode_rows=sum(s[2] for s in decode) / len(decode) if decode else 0.0,
         gap=sum(gaps) / len(gaps) if gaps else 0.0,
         sample=sum(s[1] - s[0] for s in samples) / len(samples) if samples else 0.0,
+        segments=segments(trace.get("points", []), start, end),
     )
+
+
+def segments(points: list[tuple[str, float]], start: float, end: float) -> dict[str, float]:
+    """Mean time of each segment over the complete, in-order steps in the window."""
+    order = [label for label, _ in MARKS]
+    names = dict(MARKS)
+    window = [(label, t) for label, t in points if start <= t <= end]
+    totals: dict[str, float] = {}
+    count = 0
+    index = 0
+    while index + len(order) < len(window):
+        labels = [label for label, _ in window[index : index + len(order) + 1]]
+        if labels[:-1] != order or labels[-1] != order[0]:
+            index += 1
+            continue
+        times = [t for _, t in window[index : index + len(order) + 1]]
+        for position, label in enumerate(order):
+            totals[names[label]] = totals.get(names[label], 0.0) + (
+                times[position + 1] - times[position]
+            )
+        count += 1
+        index += len(order)
+    return {name: total / count for name, total in totals.items()} if count else {}
 
 
 def thread_roles(trace: dict[str, Any], pid: int, ticks: dict[int, int]) -> dict[str, int]:
@@ -117,6 +202,11 @@ def thread_roles(trace: dict[str, Any], pid: int, ticks: dict[int, int]) -> dict
 def main(argv: Sequence[str]) -> int:
     out, *rest = argv
     install()
+    # An experiment knob, not a recommendation: how much of the engine's wait
+    # for the GIL goes with a shorter switch interval (CPython's default: 5 ms).
+    interval = os.environ.get("BENCH_SWITCH_INTERVAL")
+    if interval:
+        sys.setswitchinterval(float(interval))
     from sluiceway.server.cli import main as cli_main
 
     try:
@@ -124,7 +214,7 @@ def main(argv: Sequence[str]) -> int:
     finally:
         with _LOCK:
             threads = {role: sorted(ids) for role, ids in THREADS.items()}
-            trace = {"steps": STEPS, "samples": SAMPLES, "threads": threads}
+            trace = {"steps": STEPS, "samples": SAMPLES, "threads": threads, "points": POINTS}
         with open(out, "w") as file:
             json.dump(trace, file)
 

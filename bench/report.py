@@ -1,0 +1,279 @@
+"""The serving benchmark's results and their markdown report (``bench/serve.py``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadgen import Level
+from trace_server import MARKS, Summary
+
+OURS = "sluiceway"
+#: Targets: our decode rate over the bare engine's, on the large model.
+TARGET_C1, TARGET_C16 = 0.95, 0.90
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    concurrency: tuple[int, ...]
+    max_tokens: int
+    prompt_tokens: int
+    requests_per_client: dict[int, int]
+    bare_repeats: int
+    openblas: str | None
+    peers: bool
+    worker_class: str
+    #: Cores used by other processes above which a measurement is repeated.
+    busy: float
+    retries: int
+    trace: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    key: str  # "large" / "tiny"
+    path: Path
+    label: str
+    prompts: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class ServerRun:
+    server: str
+    levels: list[Level] = field(default_factory=list)
+    #: Cores used by other processes during each level: a busy host skews a row.
+    other_cpu: list[float] = field(default_factory=list)
+    #: Cores used by the load generator (this process) during each level.
+    client_cpu: list[float] = field(default_factory=list)
+    failure: str | None = None
+    note: str = ""
+    #: The bare engine measured right before and after each level (tokens/s
+    #: and seconds per step, the mean of the two), for the levels it has a batch for.
+    paired_bare: dict[int, float] = field(default_factory=dict)
+    paired_step: dict[int, float] = field(default_factory=dict)
+    #: With --trace: per level, where the server's time went, and its CPU by thread role.
+    traces: list[Summary | None] = field(default_factory=list)
+    thread_cpu: list[dict[str, float]] = field(default_factory=list)
+    level_ticks: list[dict[int, int]] = field(default_factory=list)
+
+    def bare_for(self, section: Section, concurrency: int) -> float | None:
+        return self.paired_bare.get(concurrency) or section.bare.get(concurrency)
+
+    def level(self, concurrency: int) -> Level | None:
+        return next((lv for lv in self.levels if lv.concurrency == concurrency), None)
+
+
+@dataclass(slots=True)
+class Section:
+    engine: str
+    model: Model
+    bare: dict[int, float] = field(default_factory=dict)  # batch -> tokens/s
+    bare_step: dict[int, float] = field(default_factory=dict)  # batch -> seconds
+    bare_failure: str | None = None
+    runs: list[ServerRun] = field(default_factory=list)
+
+    def run(self, server: str) -> ServerRun | None:
+        return next((r for r in self.runs if r.server == server), None)
+
+    @property
+    def peer(self) -> ServerRun | None:
+        return next((r for r in self.runs if r.server != OURS), None)
+
+
+def ms(seconds: float) -> str:
+    return "-" if math.isnan(seconds) else f"{seconds * 1e3:.1f}"
+
+
+def verdict(ok: bool) -> str:
+    return "**met**" if ok else "**missed**"
+
+
+def section_table(section: Section, settings: Settings) -> list[str]:
+    lines = [f"### {section.engine} engine, {section.model.key} model ({section.model.label})", ""]
+    if section.bare:
+        bare = ", ".join(f"batch {b}: **{r:.1f}** tok/s" for b, r in section.bare.items())
+        lines += [f"Bare engine (plain decode loop, no server): {bare}.", ""]
+    elif section.bare_failure:
+        lines += [f"Bare engine failed: `{section.bare_failure[-200:]}`", ""]
+    lines += [
+        "| server | conc | tok/s | decode tok/s | bare tok/s | tok/s ÷ bare | decode ÷ bare "
+        "| TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tok/req | errors "
+        "| client CPU | other CPU |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for run in section.runs:
+        if run.failure is not None and not run.levels:
+            lines.append(f"| {run.server} | - | failed: {run.failure[:120]} |" + " |" * 12)
+            continue
+        for level, other, client in zip(run.levels, run.other_cpu, run.client_cpu, strict=True):
+            bare = run.bare_for(section, level.concurrency)
+            ratio = f"{level.throughput / bare:.3f}" if bare else "-"
+            decode_ratio = f"{level.decode_throughput / bare:.3f}" if bare else "-"
+            lines.append(
+                f"| {run.server} | {level.concurrency} | {level.throughput:.1f} "
+                f"| {level.decode_throughput:.1f} | {f'{bare:.1f}' if bare else '-'} "
+                f"| {ratio} | {decode_ratio} | {ms(level.ttft(50))} | {ms(level.ttft(99))} "
+                f"| {ms(level.itl(50))} | {ms(level.itl(99))} | {level.tokens_per_request:.1f} "
+                f"| {level.errors}{f' ({level.retries} reconnects)' if level.retries else ''} "
+                f"| {client:.2f} | {other:.2f}{' ⚠' if other > settings.busy else ''} |"
+            )
+    lines.append("")
+    for run in section.runs:
+        if run.note or run.failure:
+            lines.append(f"- {run.server}: {run.failure or ''} {run.note}".rstrip())
+        errors = [e for level in run.levels for e in level.first_errors()]
+        if errors:
+            lines.append(f"- {run.server} errors, e.g.: `{errors[0]}`")
+        prompt_sizes = set().union(*(level.prompt_tokens for level in run.levels))
+        if prompt_sizes and prompt_sizes != {settings.prompt_tokens}:
+            lines.append(f"- {run.server} counted prompts of {sorted(prompt_sizes)} tokens")
+    lines.append("")
+    return lines
+
+
+def targets(sections: Sequence[Section]) -> list[str]:
+    lines = ["## Targets", ""]
+    for section in sections:
+        ours = section.run(OURS)
+        name = f"{section.engine}, {section.model.key} model"
+        if section.model.key == "large" and ours is not None:
+            for concurrency, goal in ((1, TARGET_C1), (16, TARGET_C16)):
+                level, bare = ours.level(concurrency), ours.bare_for(section, concurrency)
+                if level is None or not bare:
+                    lines.append(f"- {name}: ≥ {goal} of bare at concurrency {concurrency}: n/a")
+                    continue
+                decode, e2e = level.decode_throughput / bare, level.throughput / bare
+                lines.append(
+                    f"- {name}: decode ≥ {goal} x bare engine at concurrency {concurrency}: "
+                    f"{decode:.3f} {verdict(decode >= goal)} (end to end, prefill and "
+                    f"TTFT included: {e2e:.3f})"
+                )
+        peer = section.peer
+        if peer is not None and ours is not None and peer.levels:
+            behind, speedups = [], []
+            for level in ours.levels:
+                theirs = peer.level(level.concurrency)
+                if theirs is None or not theirs.throughput:
+                    continue
+                speedups.append(
+                    f"c={level.concurrency}: {level.throughput / theirs.throughput:.2f}x"
+                )
+                if level.throughput <= theirs.throughput:
+                    behind.append(
+                        f"c={level.concurrency}: {level.throughput:.1f} vs {theirs.throughput:.1f}"
+                    )
+            lines.append(
+                f"- {name}: ahead of {peer.server} at every concurrency (tok/s): "
+                f"{verdict(not behind)} ({', '.join(speedups)})"
+                + (f"; behind at {', '.join(behind)}" if behind else "")
+            )
+        elif peer is not None:
+            lines.append(f"- {name}: ahead of {peer.server}: n/a ({peer.failure} {peer.note})")
+        if ours is not None:
+            errors = sum(level.errors for level in ours.levels)
+            failed = ours.failure is not None
+            lines.append(
+                f"- {name}: zero errors: {verdict(errors == 0 and not failed)} "
+                f"({errors} failed requests{'; the run failed' if failed else ''})"
+            )
+    lines.append("")
+    return lines
+
+
+def pipeline_cost(sections: Sequence[Section]) -> list[str]:
+    lines = ["## Our pipeline's cost per streamed token (tiny model, concurrency 1)", ""]
+    for section in sections:
+        if section.model.key != "tiny":
+            continue
+        ours = section.run(OURS)
+        level = ours.level(1) if ours else None
+        bare = (ours.paired_step.get(1) if ours else None) or section.bare_step.get(1)
+        if level is None or bare is None:
+            lines.append(f"- {section.engine}: n/a")
+            continue
+        per_token = level.time_per_token
+        lines.append(
+            f"- {section.engine}: {per_token * 1e6:.0f} µs per streamed token, bare engine "
+            f"{bare * 1e6:.0f} µs per step: the pipeline adds "
+            f"**{(per_token - bare) * 1e6:.0f} µs** per token ({per_token / bare:.2f}x the bare step)"
+        )
+    lines.append("")
+    return lines
+
+
+def time_breakdown(sections: Sequence[Section]) -> list[str]:
+    rows, split = [], []
+    names = [name for _, name in MARKS]
+    for section in sections:
+        ours = section.run(OURS)
+        if ours is None or not ours.traces:
+            continue
+        for level, summary, cpu in zip(ours.levels, ours.traces, ours.thread_cpu, strict=True):
+            if summary is None:
+                continue
+            bare = ours.paired_step.get(level.concurrency) or section.bare_step.get(
+                level.concurrency
+            )
+            rows.append(
+                f"| {section.engine} | {section.model.key} | {level.concurrency} "
+                f"| {level.decode_throughput:.1f} | {summary.engine_busy:.0%} "
+                f"| {summary.decode_step * 1e3:.2f} ({summary.decode_rows:.1f} rows) "
+                f"| {f'{bare * 1e3:.2f}' if bare else '-'} | {summary.gap * 1e3:.2f} "
+                f"| {summary.sample * 1e3:.2f} | {cpu.get('event loop', 0.0):.2f} "
+                f"| {cpu.get('engine', 0.0):.2f} | {cpu.get('sampler', 0.0):.2f} "
+                f"| {cpu.get('compute', 0.0):.2f} |"
+            )
+            if summary.segments:
+                cells = " | ".join(f"{summary.segments.get(n, 0.0) * 1e6:.0f}" for n in names)
+                split.append(
+                    f"| {section.engine} | {section.model.key} | {level.concurrency} | {cells} |"
+                )
+    if not rows:
+        return []
+    return [
+        "## Where our server's time goes (`--trace`)",
+        "",
+        "Engine steps timed inside the server (bench/trace_server.py). *engine busy*: share "
+        "of the wall the engine thread spent in steps; *decode step*: mean decode-only step, "
+        "against the bare loop's step at the same batch; *gap*: mean engine idle time between "
+        "two decode steps; *sampler*: mean sampler step; then CPU cores used per thread role "
+        "over the level (*compute*: torch's OpenMP / BLAS threads, and idle pool threads).",
+        "",
+        "| engine | model | conc | decode tok/s | engine busy | decode step ms | bare step ms "
+        "| gap ms | sampler ms | event loop | engine thread | sampler threads | compute |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        *rows,
+        "",
+        "One scheduler step, segment by segment (mean µs over the level's complete steps, "
+        "prefill steps included): everything after *engine step* is time the engine waits "
+        "for the pipeline.",
+        "",
+        f"| engine | model | conc | {' | '.join(names)} |",
+        "|---|---|--:|" + "--:|" * len(names),
+        *split,
+        "",
+    ]
+
+
+def render(sections: Sequence[Section], settings: Settings, header: str) -> str:
+    lines = [header, ""]
+    for section in sections:
+        lines += section_table(section, settings)
+    lines += targets(sections)
+    lines += pipeline_cost(sections)
+    lines += time_breakdown(sections)
+    lines.append(
+        "Columns: *tok/s* is output tokens over the level's wall time (prefill and TTFT "
+        "included); *decode tok/s* is concurrency over the mean time per token after each "
+        "request's first (the streams' steady rate, comparable to the bare decode loop when "
+        "all streams run together: with staggered admission, as mlx_lm.server's, it "
+        "overstates); *bare tok/s*, for our rows, is the bare engine measured right before and "
+        "after that level (mean of the two), else the section's bare measurement; *ITL* is the "
+        "gap between token chunks; *reconnects*: requests that could not connect (or got no "
+        "response) and were retried, as the OpenAI SDK does; *client CPU*: cores the load "
+        "generator used; *other CPU*: cores used by processes other than the benchmark and "
+        f"the server (⚠ above {settings.busy}: measured on a busy host, after retries)."
+    )
+    return "\n".join(lines) + "\n"
