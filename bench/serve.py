@@ -21,6 +21,19 @@ and inter-token latency percentiles, errors, our ratio to the bare engine,
 the targets met or missed, and our pipeline's cost per streamed token.
 
     .venv/bin/python bench/serve.py [--engine transformers|mlx|both] [--quick]
+        [--models large tiny] [--concurrency 1 4 16 64] [--no-peers] [--trace]
+        [--output bench/serve-results.md]
+
+The default run takes about 9 minutes on a 2-core host, ``--quick`` about 3.
+The host is measured for other load (``bench/hostload.py``): a measurement
+waits for a quiet host and is repeated while other processes were busy
+(``--busy``, ``--retries``); the *other CPU* column shows what remained.
+
+``--trace`` runs our server under ``bench/trace_server.py``, which times each
+scheduler step segment by segment and the CPU of each thread role, and adds
+"where the time goes" tables. ``BENCH_EXPERIMENTS=one-hop,inline-sampler``
+(with ``--trace``) measures two candidate pipeline changes without touching
+the server's code.
 
 mlx on Linux uses its bundled reference BLAS, which is very slow; when
 Debian's OpenBLAS is installed (``apt-get install libopenblas0-pthread``) every

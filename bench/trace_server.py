@@ -186,6 +186,40 @@ def segments(points: list[tuple[str, float]], start: float, end: float) -> dict[
     return {name: total / count for name, total in totals.items()} if count else {}
 
 
+def one_hop_engine_thread() -> None:
+    """Experiment: await the engine thread's future directly (asyncio only),
+    instead of parking a worker thread on ``future.result()``: one thread hop
+    back to the event loop per step instead of two."""
+    import asyncio
+
+    from sluiceway.actors import engine_work
+
+    async def run(self: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
+        future = self._executor.submit(function, *args, **kwargs)
+        return await asyncio.shield(asyncio.wrap_future(future))
+
+    async def timed(self: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(function, "__name__", "") == "timed_execute":
+            _mark("submit")
+        return await run(self, function, *args, **kwargs)
+
+    engine_work.EngineThread.run = timed  # type: ignore[method-assign]
+
+
+def inline_sampler() -> None:
+    """Experiment: sample on the event loop instead of in a worker thread
+    (greedy sampling is one argmax: cheaper than the two thread hops)."""
+    from sluiceway.actors import sampler
+
+    async def run(receive: Any, send: Any, config: Any) -> None:
+        state = sampler.Sampler()
+        async with receive, send:
+            async for step in receive:
+                await send.send(sampler.sample_step(state, step, config))
+
+    sampler.run = run  # type: ignore[assignment]
+
+
 def thread_roles(trace: dict[str, Any], pid: int, ticks: dict[int, int]) -> dict[str, int]:
     """Group per-thread CPU ticks by role: the event loop (the main thread),
     the engine thread, the sampler's worker threads, and the rest (torch's
@@ -202,11 +236,18 @@ def thread_roles(trace: dict[str, Any], pid: int, ticks: dict[int, int]) -> dict
 def main(argv: Sequence[str]) -> int:
     out, *rest = argv
     install()
-    # An experiment knob, not a recommendation: how much of the engine's wait
-    # for the GIL goes with a shorter switch interval (CPython's default: 5 ms).
+    # Experiment knobs (not recommendations, and not the server's code): what
+    # a change would buy, measured before anyone makes it.
     interval = os.environ.get("BENCH_SWITCH_INTERVAL")
-    if interval:
+    if interval:  # CPython's default is 5 ms
         sys.setswitchinterval(float(interval))
+    experiments = set(filter(None, os.environ.get("BENCH_EXPERIMENTS", "").split(",")))
+    if experiments - {"one-hop", "inline-sampler"}:
+        raise SystemExit(f"unknown BENCH_EXPERIMENTS: {sorted(experiments)}")
+    if "one-hop" in experiments:
+        one_hop_engine_thread()
+    if "inline-sampler" in experiments:
+        inline_sampler()
     from sluiceway.server.cli import main as cli_main
 
     try:
