@@ -170,7 +170,9 @@ def targets(sections: Sequence[Section]) -> list[str]:
                 + (f"; behind at {', '.join(behind)}" if behind else "")
             )
         elif peer is not None:
-            lines.append(f"- {name}: ahead of {peer.server}: n/a ({peer.failure} {peer.note})")
+            lines.append(
+                f"- {name}: ahead of {peer.server}: n/a ({peer.failure} {peer.note}".rstrip() + ")"
+            )
         if ours is not None:
             errors = sum(level.errors for level in ours.levels)
             failed = ours.failure is not None

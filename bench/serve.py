@@ -512,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 servers.append(PEER_OF[engine])
             for server in servers:
                 if server == "transformers serve" and peer_python is None:
-                    section.runs.append(ServerRun(server, failure="not run", note=peer_note))
+                    section.runs.append(ServerRun(server, failure=f"not run: {peer_note}"))
                     continue
                 prompts = itertools.cycle(model.prompts)  # the same prompts for every server
                 section.runs.append(
