@@ -31,7 +31,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check sluiceway tests bench
 	$(BIN)/ruff format --check sluiceway tests bench
 
-typecheck: $(STAMP)
+# With torch installed, so that mypy sees the same types everywhere.
+typecheck: $(TORCH_STAMP)
 	$(BIN)/mypy
 
 pytest: $(TORCH_STAMP)

@@ -13,6 +13,8 @@ per-thread state, so the engine must not wander between pool threads.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +23,7 @@ from typing import ParamSpec, TypeVar
 
 import anyio
 import numpy as np
+import sniffio
 
 from sluiceway.actors.logprobs import reduce_targets
 from sluiceway.engines.base import DecodeResult, Engine, Logits
@@ -32,6 +35,28 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
+def _soon_in_this_loop() -> Callable[[Callable[[], object]], None]:
+    """A thread-safe "call this soon in the running event loop" for asyncio or trio."""
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        run_soon: Callable[[Callable[[], object]], None] = (
+            trio.lowlevel.current_trio_token().run_sync_soon
+        )
+    else:
+        loop = asyncio.get_running_loop()
+
+        def run_soon(callback: Callable[[], object]) -> None:
+            loop.call_soon_threadsafe(callback)
+
+    def call(callback: Callable[[], object]) -> None:
+        # A loop that has already finished has nobody left to wake.
+        with contextlib.suppress(RuntimeError):
+            run_soon(callback)
+
+    return call
+
+
 class EngineThread:
     """The one thread that runs the engine."""
 
@@ -40,9 +65,18 @@ class EngineThread:
 
     async def run(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run ``function`` on the engine thread; the caller waits for it to
-        finish even if cancelled, so the engine is never left mid-call."""
+        finish even if cancelled, so the engine is never left mid-call.
+
+        The engine thread wakes the event loop itself when done: one thread
+        hop each way (a worker thread parked on the future would add two).
+        """
+        done = anyio.Event()
+        wake = _soon_in_this_loop()
         future = self._executor.submit(function, *args, **kwargs)
-        return await anyio.to_thread.run_sync(future.result)
+        future.add_done_callback(lambda _: wake(done.set))
+        with anyio.CancelScope(shield=True):
+            await done.wait()
+        return future.result()
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

@@ -133,7 +133,7 @@ def use_all_cores(device: torch.device) -> int:
         threads = os.cpu_count() or 1
     if device.type == "cpu":
         torch.set_num_threads(threads)
-    return torch.get_num_threads()
+    return int(torch.get_num_threads())
 
 
 @dataclass(frozen=True, slots=True)

@@ -136,6 +136,18 @@ class Row:
     def key(self) -> tuple[str, int]:
         return (self.request_id, self.choice)
 
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing to adjust and no logprobs: an argmax."""
+        sampling = self.sampling
+        return (
+            sampling.greedy
+            and not sampling.logit_bias
+            and not sampling.penalised
+            and not self.suppress
+            and not self.logprobs.per_token
+        )
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LogitsStep:

@@ -21,9 +21,9 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from sluiceway.actors import output
-from sluiceway.actors.emitters.common import StreamEncoder, stream
+from sluiceway.actors.emitters.common import KEEPALIVE, StreamEncoder
 from sluiceway.actors.output import ChoiceFinisher, OutputConfig
-from sluiceway.protocol.messages import EmitterEvent, GenerationRequest, RequestOutput
+from sluiceway.protocol.messages import Deltas, EmitterEvent, GenerationRequest, RequestOutput
 from sluiceway.server.http import SSE_HEADERS, Receive, Send
 
 
@@ -97,23 +97,68 @@ async def stream_reply(
     encoder: StreamEncoder,
     keepalive_seconds: float,
 ) -> None:
-    """Submit the jobs and stream their SSE frames until done or disconnected."""
+    """Submit the jobs and stream their SSE frames until done or disconnected.
+
+    The encoder runs in this task: output events are framed and written as
+    they arrive, and events already waiting go out in one write.
+    """
     streams = _submit_all(scheduler, jobs)
     events_send, events_receive = anyio.create_memory_object_stream[EmitterEvent](4)
-    frames_send, frames_receive = anyio.create_memory_object_stream[bytes](4)
     try:
         async with anyio.create_task_group() as group:
             _start_outputs(group, scheduler, jobs, streams, events_send)
-            group.start_soon(stream, events_receive, frames_send, encoder, keepalive_seconds)
             group.start_soon(_cancel_on_disconnect, receive, group.cancel_scope)
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            async with frames_receive:
-                async for frame in frames_receive:
-                    await send({"type": "http.response.body", "body": frame, "more_body": True})
+            await _body(send, encoder.start())
+            async with events_receive:
+                await _relay(events_receive, send, encoder, keepalive_seconds)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             group.cancel_scope.cancel()
     finally:
         _cancel_jobs(scheduler, jobs)
+
+
+async def _body(send: Send, frame: bytes) -> None:
+    await send({"type": "http.response.body", "body": frame, "more_body": True})
+
+
+async def _relay(
+    events: MemoryObjectReceiveStream[EmitterEvent],
+    send: Send,
+    encoder: StreamEncoder,
+    keepalive_seconds: float,
+) -> None:
+    """Frame events until the outputs are done.
+
+    Until the first delta, a quiet ``keepalive_seconds`` (a request waiting
+    in the queue, a long prompt being prefilled) sends an SSE comment so that
+    proxies and clients do not time the stream out.
+    """
+    flowing = False
+    while True:
+        if flowing:
+            try:
+                event = await events.receive()
+            except anyio.EndOfStream:
+                return
+        else:
+            with anyio.move_on_after(keepalive_seconds) as waited:
+                try:
+                    event = await events.receive()
+                except anyio.EndOfStream:
+                    return
+            if waited.cancelled_caught:
+                await _body(send, KEEPALIVE)
+                continue
+            flowing = isinstance(event, Deltas)
+        frame = encoder.encode(event)
+        while True:  # whatever else is already waiting goes in the same write
+            try:
+                frame += encoder.encode(events.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break
+        if frame:
+            await _body(send, frame)
 
 
 async def collect_reply(

@@ -1,1 +1,2 @@
-"""Emitters: one per API surface, turning output events into wire bytes."""
+"""Emitters: one per API surface, turning output events into wire bytes
+(sans-IO encoders for streams, accumulators for whole replies)."""

@@ -1,14 +1,12 @@
 """What every emitter shares: SSE framing, logprob and usage conversion, and
-the thin actor loop that drives an encoder."""
+the sans-IO encoder interface. The streaming exchange drives an encoder in
+the request's own task (``sluiceway.server.exchange``): framing is a function
+call per event, not another task and channel hop."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Protocol
-
-import anyio
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from sluiceway.protocol.messages import EmitterEvent, LogprobEntry, Usage
 from sluiceway.protocol.wire import (
@@ -84,31 +82,3 @@ class StreamEncoder(Protocol):
     def start(self) -> bytes: ...
 
     def encode(self, event: EmitterEvent) -> bytes: ...
-
-
-async def stream(
-    receive: ObjectReceiveStream[EmitterEvent],
-    send: ObjectSendStream[bytes],
-    encoder: StreamEncoder,
-    keepalive_seconds: float = math.inf,
-) -> None:
-    """The emitter actor: frames each event as it arrives.
-
-    While no event comes for ``keepalive_seconds`` (a request waiting in the
-    queue, a long prompt being prefilled) it sends an SSE comment, so proxies
-    and clients do not time the stream out.
-    """
-    async with receive, send:
-        await send.send(encoder.start())
-        while True:
-            with anyio.move_on_after(keepalive_seconds) as waited:
-                try:
-                    event = await receive.receive()
-                except anyio.EndOfStream:
-                    return
-            if waited.cancelled_caught:
-                await send.send(KEEPALIVE)
-                continue
-            frame = encoder.encode(event)
-            if frame:
-                await send.send(frame)
