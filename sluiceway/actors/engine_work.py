@@ -17,12 +17,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import ParamSpec, TypeVar
+from typing import Generic, ParamSpec, TypeVar
 
 import anyio
 import numpy as np
+import numpy.typing as npt
 import sniffio
 
 from sluiceway.actors.logprobs import reduce_targets
@@ -57,6 +58,21 @@ def _soon_in_this_loop() -> Callable[[Callable[[], object]], None]:
     return call
 
 
+@dataclass(frozen=True, slots=True)
+class Running(Generic[T]):
+    """A call under way on the engine thread."""
+
+    future: Future[T]
+    done: anyio.Event
+
+    async def result(self) -> T:
+        """Wait for the call. The wait survives cancellation, so the engine
+        is never left mid-call by a cancelled caller."""
+        with anyio.CancelScope(shield=True):
+            await self.done.wait()
+        return self.future.result()
+
+
 class EngineThread:
     """The one thread that runs the engine."""
 
@@ -64,8 +80,11 @@ class EngineThread:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     async def run(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """Run ``function`` on the engine thread; the caller waits for it to
-        finish even if cancelled, so the engine is never left mid-call.
+        """Run ``function`` on the engine thread and wait for it."""
+        return await self.start(function, *args, **kwargs).result()
+
+    def start(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Running[T]:
+        """Start ``function`` on the engine thread; await ``result()`` later.
 
         The engine thread wakes the event loop itself when done: one thread
         hop each way (a worker thread parked on the future would add two).
@@ -74,9 +93,7 @@ class EngineThread:
         wake = _soon_in_this_loop()
         future = self._executor.submit(function, *args, **kwargs)
         future.add_done_callback(lambda _: wake(done.set))
-        with anyio.CancelScope(shield=True):
-            await done.wait()
-        return future.result()
+        return Running(future, done)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -99,9 +116,13 @@ class PrefillWork:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepPlan:
+    """``greedy``: every row sampled this step is plain greedy (no logprobs,
+    no bias or penalties), so the engine thread picks the tokens itself."""
+
     frees: tuple[int, ...] = ()
     prefills: tuple[PrefillWork, ...] = ()
     decode: Mapping[int, int] = field(default_factory=dict)
+    greedy: bool = False
 
 
 @dataclass(slots=True)
@@ -109,6 +130,8 @@ class PrefillOutcome:
     logits: Logits | None = None
     scores: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    #: The argmax of ``logits``, in a greedy step.
+    greedy: npt.NDArray[np.int64] | None = None
 
 
 @dataclass(slots=True)
@@ -116,6 +139,8 @@ class StepOutcome:
     prefills: list[PrefillOutcome]
     decode: DecodeResult | None = None
     decode_error: str | None = None
+    #: The argmax of each decoded row, in a greedy step.
+    decode_greedy: npt.NDArray[np.int64] | None = None
 
 
 def execute(engine: Engine, plan: StepPlan) -> StepOutcome:
@@ -128,6 +153,13 @@ def execute(engine: Engine, plan: StepPlan) -> StepOutcome:
         except Exception as error:  # reported to the requests in the batch
             logger.exception("decode failed")
             outcome.decode_error = f"decode failed: {error}"
+    if plan.greedy:
+        # An argmax is cheaper than a round trip to the sampler and back.
+        for prefilled in outcome.prefills:
+            if prefilled.logits is not None:
+                prefilled.greedy = prefilled.logits.argmax(axis=-1)
+        if outcome.decode is not None:
+            outcome.decode_greedy = outcome.decode.logits.argmax(axis=-1)
     return outcome
 
 

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -36,6 +37,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from sluiceway.actors.engine_work import (
     EngineThread,
     PrefillWork,
+    Running,
     StepOutcome,
     StepPlan,
     execute,
@@ -107,14 +109,16 @@ class SchedulerHandle:
         self.queued = 0
         self.running_requests = 0
         self.running_rows = 0
+        #: Rows not reserved by a running or prefilling request, as of the last step.
+        self.free_rows = config.max_num_seqs
 
     def submit(
         self, request: GenerationRequest, output: MemoryObjectSendStream[RequestOutput]
     ) -> None:
-        if self.queued >= self._config.max_queued_requests:
-            raise Overloaded(
-                f"the server has {self.queued} requests waiting, its limit; retry shortly"
-            )
+        # Requests that free rows will take at once do not count as waiting.
+        waiting = self.queued - self.free_rows
+        if waiting >= self._config.max_queued_requests:
+            raise Overloaded(f"the server has {waiting} requests waiting, its limit; retry shortly")
         self.queued += 1
         self._inbox.send_nowait(Submit(request=request, output=output))
 
@@ -171,17 +175,32 @@ class Scheduler:
     ) -> None:
         async with inbox, to_sampler, from_sampler:
             try:
+                step: tuple[StepPlan, Running[StepOutcome]] | None = None
                 while True:
-                    if not self._busy():
-                        try:
-                            self._handle_command(await inbox.receive())
-                        except anyio.EndOfStream:
-                            return
-                    self._drain(inbox)
-                    plan = self._plan()
-                    if plan is not None:
-                        outcome = await self._thread.run(execute, self._engine, plan)
-                        await self._sample(self._absorb(plan, outcome), to_sampler, from_sampler)
+                    if step is None:
+                        if not self._busy():
+                            try:
+                                self._handle_command(await inbox.receive())
+                            except anyio.EndOfStream:
+                                return
+                        self._drain(inbox)
+                        step = self._start(self._plan())
+                        if step is None:
+                            self._publish_counters()
+                            continue
+                    plan, running = step
+                    batch = self._absorb(plan, await running.result())
+                    step = None
+                    if batch.greedy is not None:
+                        # The engine picked the tokens: start the next step
+                        # before fanning this one out, so the engine never
+                        # waits for the output work.
+                        samples = self._decide(batch.choices, batch.greedy, None)
+                        self._drain(inbox)
+                        step = self._start(self._plan())
+                        self._deliver_samples(samples)
+                    elif batch.choices:
+                        await self._sample(batch, to_sampler, from_sampler)
                     self._publish_counters()
             finally:
                 with anyio.CancelScope(shield=True):
@@ -215,6 +234,11 @@ class Scheduler:
 
     # --- planning -----------------------------------------------------------
 
+    def _start(self, plan: StepPlan | None) -> tuple[StepPlan, Running[StepOutcome]] | None:
+        if plan is None:
+            return None
+        return plan, self._thread.start(execute, self._engine, plan)
+
     def _busy(self) -> bool:
         return bool(self._rows or self._prefilling or self._to_free) or self._can_admit()
 
@@ -241,11 +265,16 @@ class Scheduler:
             work = self._next_chunk(request, budget)
             budget -= len(work.tokens)
             prefills.append(work)
-        decode = {c.slot: c.last_token for c in self._rows.values() if c.generated > 0}
+        decoding = [c for c in self._rows.values() if c.generated > 0]
+        decode = {c.slot: c.last_token for c in decoding}
         frees = self._take_frees()
         if not (frees or prefills or decode):
             return None
-        return StepPlan(frees=frees, prefills=tuple(prefills), decode=decode)
+        starting = [self._requests[w.request_id] for w in prefills if w.final]
+        greedy = all(self._row(c).plain for c in decoding) and all(
+            _starts_plain(r.spec) for r in starting
+        )
+        return StepPlan(frees=frees, prefills=tuple(prefills), decode=decode, greedy=greedy)
 
     def _admit(self, request: _Request) -> _Request:
         self._handle.queued -= 1
@@ -288,13 +317,20 @@ class Scheduler:
                 request.scores += result.scores
             if work.final and result.logits is not None:
                 for choice in self._start_choices(request):
-                    rows.add([choice], result.logits)
+                    rows.add([choice], result.logits, result.greedy)
         if outcome.decode_error is not None:
             for choice in [c for c in self._rows.values() if c.generated > 0]:
                 if choice.request.spec.request_id in self._requests:
                     self._fail(choice.request, outcome.decode_error)
         elif outcome.decode is not None:
-            rows.add([self._rows[s] for s in outcome.decode.slots], outcome.decode.logits)
+            slots = outcome.decode.slots
+            logits, greedy = outcome.decode.logits, outcome.decode_greedy
+            kept = [i for i, slot in enumerate(slots) if slot in self._rows]
+            if len(kept) < len(slots):
+                # Rows that left while the step ran (cancelled, stopped): drop their results.
+                logits = logits[kept]
+                greedy = None if greedy is None else greedy[kept]
+            rows.add([self._rows[slots[i]] for i in kept], logits, greedy)
         return rows
 
     def _start_choices(self, request: _Request) -> list[_Choice]:
@@ -325,7 +361,8 @@ class Scheduler:
             logits=rows.logits(),
         )
         await to_sampler.send(step)
-        self._apply(rows.choices, await from_sampler.receive())
+        sampled = await from_sampler.receive()
+        self._deliver_samples(self._decide(rows.choices, sampled.token_ids, sampled.logprobs))
 
     def _row(self, choice: _Choice) -> Row:
         spec = choice.request.spec
@@ -348,10 +385,17 @@ class Scheduler:
             )
         return row
 
-    def _apply(self, rows: list[_Choice], sampled: SampledStep) -> None:
+    def _decide(
+        self,
+        rows: list[_Choice],
+        token_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprob | None] | None,
+    ) -> dict[str, list[TokenSample]]:
+        """Take one step's tokens in: advance each row, end the rows that finished."""
         per_request: dict[str, list[TokenSample]] = {}
-        logprobs = sampled.logprobs or (None,) * len(rows)
-        for choice, token, logprob in zip(rows, sampled.token_ids, logprobs, strict=True):
+        scores = logprobs or (None,) * len(rows)
+        for choice, token, logprob in zip(rows, token_ids, scores, strict=True):
+            token = int(token)
             choice.generated += 1
             choice.last_token = token
             finish = self._finish_cause(choice, token)
@@ -361,8 +405,13 @@ class Scheduler:
             per_request.setdefault(choice.request.spec.request_id, []).append(sample)
             if finish is not None:
                 self._drop_choice(choice.request, choice, close=False)
+        return per_request
+
+    def _deliver_samples(self, per_request: dict[str, list[TokenSample]]) -> None:
         for request_id, samples in per_request.items():
-            request = self._requests[request_id]
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
             self._deliver(request, StepOutput(samples=tuple(samples)))
             if not request.choices:
                 self._close(request)
@@ -423,6 +472,7 @@ class Scheduler:
     def _publish_counters(self) -> None:
         self._handle.running_requests = len(self._requests) - len(self._waiting)
         self._handle.running_rows = len(self._rows)
+        self._handle.free_rows = max(0, self._config.max_num_seqs - self._reserved_rows())
 
     def _new_slot(self) -> int:
         self._next_slot += 1
@@ -435,13 +485,36 @@ class _Batch:
 
     choices: list[_Choice] = field(default_factory=list)
     blocks: list[np.ndarray] = field(default_factory=list)
+    #: The engine's argmax per row, when the whole step was greedy.
+    greedy_blocks: list[np.ndarray] | None = field(default_factory=list)
 
-    def add(self, choices: list[_Choice], block: np.ndarray) -> None:
+    def add(self, choices: list[_Choice], block: np.ndarray, greedy: np.ndarray | None) -> None:
+        assert len(choices) == block.shape[0]
         self.choices += choices
-        self.blocks.append(
-            block if len(choices) == block.shape[0] else np.repeat(block, len(choices), 0)
-        )
+        self.blocks.append(block)
+        if greedy is None or self.greedy_blocks is None:
+            self.greedy_blocks = None
+        else:
+            self.greedy_blocks.append(greedy)
+
+    @property
+    def greedy(self) -> list[int] | None:
+        if self.greedy_blocks is None or not self.choices:
+            return None
+        return [int(t) for block in self.greedy_blocks for t in block.tolist()]
 
     def logits(self) -> np.ndarray:
         # The usual step is one decode block, passed on without a copy.
         return self.blocks[0] if len(self.blocks) == 1 else np.concatenate(self.blocks)
+
+
+def _starts_plain(spec: GenerationRequest) -> bool:
+    """Whether a request's first token is a plain argmax (see ``Row.plain``)."""
+    sampling = spec.sampling
+    return (
+        sampling.greedy
+        and not sampling.logit_bias
+        and not sampling.penalised
+        and spec.limits.min_tokens == 0
+        and not spec.logprobs.per_token
+    )

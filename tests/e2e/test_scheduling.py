@@ -166,6 +166,7 @@ def test_full_queue_answers_429_and_waiting_streams_keep_alive(tight_server: Run
 
     async def drain(client: httpx.AsyncClient, payload: dict[str, Any]) -> None:
         async with client.stream("POST", server.api_url + "/chat/completions", json=payload) as r:
+            assert r.status_code == 200
             async for _ in r.aiter_lines():
                 pass
 
