@@ -31,9 +31,7 @@ waits for a quiet host and is repeated while other processes were busy
 
 ``--trace`` runs our server under ``bench/trace_server.py``, which times each
 scheduler step segment by segment and the CPU of each thread role, and adds
-"where the time goes" tables. ``BENCH_EXPERIMENTS=one-hop,inline-sampler``
-(with ``--trace``) measures two candidate pipeline changes without touching
-the server's code.
+"where the time goes" tables.
 
 mlx on Linux uses its bundled reference BLAS, which is very slow; when
 Debian's OpenBLAS is installed (``apt-get install libopenblas0-pthread``) every

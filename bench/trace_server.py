@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import sys
 import threading
 import time
@@ -42,12 +41,7 @@ _LOCK = threading.Lock()
 MARKS = (
     ("exec_start", "engine step"),
     ("exec_end", "hop back to the event loop"),
-    ("absorb", "absorb, build the sampler's rows"),
-    ("to_sampler", "hop to the sampler thread"),
-    ("sample_start", "sampling"),
-    ("sample_end", "hop back, through the reducer"),
-    ("apply", "apply: finish checks, fan-out to requests"),
-    ("applied", "loop around, drain commands"),
+    ("absorb", "absorb, finish checks, drain commands"),
     ("plan", "plan the next step"),
     ("submit", "hop to the engine thread"),
 )
@@ -63,7 +57,7 @@ def install() -> None:
     execute = scheduler.execute
     sample_step = sampler.sample_step
     cls = scheduler.Scheduler
-    absorb, sample, apply, plan = cls._absorb, cls._sample, cls._apply, cls._plan
+    absorb, sample, apply, plan = cls._absorb, cls._sample, cls._deliver_samples, cls._plan
 
     def timed_absorb(self: Any, *args: Any) -> Any:
         _mark("absorb")
@@ -74,26 +68,25 @@ def install() -> None:
         return await sample(self, *args)
 
     def timed_apply(self: Any, *args: Any) -> Any:
-        _mark("apply")
-        result = apply(self, *args)
-        _mark("applied")
-        return result
+        # Greedy steps fan out while the next step already runs: not part of
+        # the engine's wait, so not a segment.
+        return apply(self, *args)
 
     def timed_plan(self: Any) -> Any:
         _mark("plan")
         return plan(self)
 
-    run_on_thread = engine_work.EngineThread.run
+    start_on_thread = engine_work.EngineThread.start
 
-    async def timed_run(self: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
+    def timed_start(self: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
         if function is timed_execute:
             _mark("submit")
-        return await run_on_thread(self, function, *args, **kwargs)
+        return start_on_thread(self, function, *args, **kwargs)
 
-    engine_work.EngineThread.run = timed_run  # type: ignore[method-assign]
+    engine_work.EngineThread.start = timed_start  # type: ignore[method-assign]
     cls._absorb = timed_absorb  # type: ignore[method-assign]
     cls._sample = timed_sample_call  # type: ignore[method-assign]
-    cls._apply = timed_apply  # type: ignore[method-assign]
+    cls._deliver_samples = timed_apply  # type: ignore[method-assign]
     cls._plan = timed_plan  # type: ignore[method-assign]
 
     def timed_execute(engine: Any, step_plan: Any) -> Any:
@@ -186,40 +179,6 @@ def segments(points: list[tuple[str, float]], start: float, end: float) -> dict[
     return {name: total / count for name, total in totals.items()} if count else {}
 
 
-def one_hop_engine_thread() -> None:
-    """Experiment: await the engine thread's future directly (asyncio only),
-    instead of parking a worker thread on ``future.result()``: one thread hop
-    back to the event loop per step instead of two."""
-    import asyncio
-
-    from sluiceway.actors import engine_work
-
-    async def run(self: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
-        future = self._executor.submit(function, *args, **kwargs)
-        return await asyncio.shield(asyncio.wrap_future(future))
-
-    async def timed(self: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(function, "__name__", "") == "timed_execute":
-            _mark("submit")
-        return await run(self, function, *args, **kwargs)
-
-    engine_work.EngineThread.run = timed  # type: ignore[method-assign]
-
-
-def inline_sampler() -> None:
-    """Experiment: sample on the event loop instead of in a worker thread
-    (greedy sampling is one argmax: cheaper than the two thread hops)."""
-    from sluiceway.actors import sampler
-
-    async def run(receive: Any, send: Any, config: Any) -> None:
-        state = sampler.Sampler()
-        async with receive, send:
-            async for step in receive:
-                await send.send(sampler.sample_step(state, step, config))
-
-    sampler.run = run  # type: ignore[assignment]
-
-
 def thread_roles(trace: dict[str, Any], pid: int, ticks: dict[int, int]) -> dict[str, int]:
     """Group per-thread CPU ticks by role: the event loop (the main thread),
     the engine thread, the sampler's worker threads, and the rest (torch's
@@ -236,18 +195,6 @@ def thread_roles(trace: dict[str, Any], pid: int, ticks: dict[int, int]) -> dict
 def main(argv: Sequence[str]) -> int:
     out, *rest = argv
     install()
-    # Experiment knobs (not recommendations, and not the server's code): what
-    # a change would buy, measured before anyone makes it.
-    interval = os.environ.get("BENCH_SWITCH_INTERVAL")
-    if interval:  # CPython's default is 5 ms
-        sys.setswitchinterval(float(interval))
-    experiments = set(filter(None, os.environ.get("BENCH_EXPERIMENTS", "").split(",")))
-    if experiments - {"one-hop", "inline-sampler"}:
-        raise SystemExit(f"unknown BENCH_EXPERIMENTS: {sorted(experiments)}")
-    if "one-hop" in experiments:
-        one_hop_engine_thread()
-    if "inline-sampler" in experiments:
-        inline_sampler()
     from sluiceway.server.cli import main as cli_main
 
     try:

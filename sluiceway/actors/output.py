@@ -15,8 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from sluiceway.actors.channels import put, take
 from sluiceway.parsers.assembler import Chunk
 from sluiceway.parsers.detokenizer import TokenTable
 from sluiceway.parsers.events import Channel
@@ -189,8 +191,8 @@ class ChoiceOutput:
 
 
 async def run(
-    receive: ObjectReceiveStream[RequestOutput],
-    send: ObjectSendStream[EmitterEvent],
+    receive: MemoryObjectReceiveStream[RequestOutput],
+    send: MemoryObjectSendStream[EmitterEvent],
     scheduler: ChoiceFinisher,
     config: OutputConfig,
 ) -> None:
@@ -206,7 +208,11 @@ async def run(
         for i in range(config.n)
     ]
     async with receive, send:
-        async for message in receive:
+        while True:
+            try:
+                message = await take(receive)
+            except anyio.EndOfStream:
+                break
             if isinstance(message, StepOutput):
                 deltas = []
                 for sample in message.samples:
@@ -215,16 +221,16 @@ async def run(
                     if stopped:
                         scheduler.finish_choice(config.request_id, sample.choice)
                 if deltas:
-                    await send.send(Deltas(deltas=tuple(deltas)))
+                    await put(send, Deltas(deltas=tuple(deltas)))
             elif isinstance(message, PromptScores):
-                await send.send(_prompt_logprobs(message, config, entries))
+                await put(send, _prompt_logprobs(message, config, entries))
             elif isinstance(message, RequestFailed):
-                await send.send(Failed(message=message.message))
+                await put(send, Failed(message=message.message))
                 return
         leftovers = [delta for choice in choices for delta in choice.abandon()]
         if leftovers:
-            await send.send(Deltas(deltas=tuple(leftovers)))
-        await send.send(Completed(usage=_usage(choices, len(config.prompt_ids))))
+            await put(send, Deltas(deltas=tuple(leftovers)))
+        await put(send, Completed(usage=_usage(choices, len(config.prompt_ids))))
 
 
 def _usage(choices: list[ChoiceOutput], prompt_tokens: int) -> Usage:

@@ -21,6 +21,7 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from sluiceway.actors import output
+from sluiceway.actors.channels import take
 from sluiceway.actors.emitters.common import KEEPALIVE, StreamEncoder
 from sluiceway.actors.output import ChoiceFinisher, OutputConfig
 from sluiceway.protocol.messages import Deltas, EmitterEvent, GenerationRequest, RequestOutput
@@ -138,7 +139,7 @@ async def _relay(
     while True:
         if flowing:
             try:
-                event = await events.receive()
+                event = await take(events)
             except anyio.EndOfStream:
                 return
         else:

@@ -11,6 +11,7 @@ Per request, the handler runs its own output actor and emitter (see
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +44,15 @@ class LoadedModel:
     thread: EngineThread
 
 
+#: The GIL switch interval while serving. The engine thread's Python glue
+#: between kernels needs the GIL every few microseconds, and the event loop's
+#: per-token work would otherwise hold it for up to CPython's default 5 ms.
+SWITCH_INTERVAL_SECONDS = 0.0002
+
+
 async def load_model(config: ServerConfig) -> LoadedModel:
     """Resolve and load the model on a new engine thread."""
+    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     thread = EngineThread()
     try:
         return await thread.run(_load, config, thread)
