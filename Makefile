@@ -41,8 +41,9 @@ pytest: $(TORCH_STAMP)
 # pytest's exit code 5 (nothing collected) fails this target like any other.
 test: lint typecheck pytest
 
-bench: $(STAMP)
-	$(BIN)/python bench/run.py $(ARGS)
+# The serving benchmark (bench/serve.py); see README for the others.
+bench: $(TORCH_STAMP)
+	$(BIN)/python bench/serve.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
