@@ -63,6 +63,24 @@ def test_ties_break_by_lower_id() -> None:
     assert top_k(np.array([1.0, 2.0, 2.0, 0.0], dtype=np.float32), 3).tolist() == [1, 2, 0]
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    row=arrays(
+        np.float32,
+        st.integers(1, 1200),
+        # A narrow value range forces many ties, which the block skim must keep.
+        elements=st.one_of(
+            st.integers(-3, 3).map(float), st.floats(-30, 30, width=32), st.just(-np.inf)
+        ),
+    ),
+    k=st.integers(1, 25),
+)
+def test_top_k_equals_a_full_sort(row: np.ndarray, k: int) -> None:
+    """Vocabularies longer than a few blocks take the block-maximum path."""
+    reference = np.lexsort((np.arange(row.shape[0]), -row))[:k]
+    assert top_k(row, k).tolist() == reference.tolist()
+
+
 def test_prompt_logprobs_shift_by_one() -> None:
     logits = np.random.default_rng(0).normal(size=(4, 9)).astype(np.float32)
     prompt = [3, 1, 4, 1]
