@@ -29,6 +29,8 @@ class Settings:
     busy: float
     retries: int
     trace: bool
+    #: Extra environment for our server only (``--server-env K=V``), for experiments.
+    server_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -279,7 +279,8 @@ def run_server(
         command,
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=env_for(section.engine, settings),
+        env=env_for(section.engine, settings)
+        | (dict(settings.server_env) if server == OURS else {}),
         cwd=tempfile.gettempdir(),
     )
     target = target_for(server, port, section.model.path)
@@ -463,6 +464,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="time our server's engine steps and CPU by thread (bench/trace_server.py)",
     )
+    parser.add_argument(
+        "--server-env",
+        nargs="*",
+        default=[],
+        metavar="K=V",
+        help="environment for our server only (the bare engine and peers do not get it)",
+    )
     parser.add_argument("--output", type=Path, default=HERE / "serve-results.md")
     args = parser.parse_args(argv)
 
@@ -480,6 +488,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         busy=args.busy,
         retries=args.retries,
         trace=args.trace,
+        server_env=tuple(tuple(item.split("=", 1)) for item in args.server_env),  # type: ignore[misc]
     )
     engines = ["transformers", "mlx"] if args.engine == "both" else [args.engine]
     started = time.perf_counter()
