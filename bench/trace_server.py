@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/trace_server.py TRACE.json serve --model DIR ...
 
-Runs the ordinary CLI after wrapping, without changing them, the scheduler's
-call into the engine thread (``execute``: free, prefill, batched decode) and
-the sampler's step, and writes every call's start and end
+Runs the ordinary CLI after wrapping, without changing them, the engine
+thread's step (``execute``: free, prefill, batched decode; and the greedy
+decode run ahead of the plan) and the sampler's step, and writes every call's start and end
 (``time.perf_counter``, which is the system-wide monotonic clock on Linux, so
 the benchmark process can cut the trace by its own timestamps) to TRACE.json
 when the server exits. The wrappers cost two clock reads per step.
@@ -52,9 +52,10 @@ def _mark(label: str) -> None:
 
 
 def install() -> None:
-    from sluiceway.actors import engine_work, sampler, scheduler
+    from sluiceway.actors import run_ahead, sampler, scheduler
 
-    execute = scheduler.execute
+    execute = run_ahead.execute
+    decode_ahead = run_ahead.RunAhead.run_ahead
     sample_step = sampler.sample_step
     cls = scheduler.Scheduler
     absorb, sample, apply, plan = cls._absorb, cls._sample, cls._deliver_samples, cls._plan
@@ -76,30 +77,41 @@ def install() -> None:
         _mark("plan")
         return plan(self)
 
-    start_on_thread = engine_work.EngineThread.start
+    start_step = run_ahead.SteppingThread.start
 
-    def timed_start(self: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
-        if function is timed_execute:
-            _mark("submit")
-        return start_on_thread(self, function, *args, **kwargs)
+    def timed_start(self: Any, step_plan: Any) -> Any:
+        _mark("submit")
+        return start_step(self, step_plan)
 
-    engine_work.EngineThread.start = timed_start  # type: ignore[method-assign]
+    run_ahead.SteppingThread.start = timed_start  # type: ignore[method-assign]
     cls._absorb = timed_absorb  # type: ignore[method-assign]
     cls._sample = timed_sample_call  # type: ignore[method-assign]
     cls._deliver_samples = timed_apply  # type: ignore[method-assign]
     cls._plan = timed_plan  # type: ignore[method-assign]
 
-    def timed_execute(engine: Any, step_plan: Any) -> Any:
+    def timed_execute(engine: Any, step_plan: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         POINTS.append(("exec_start", started))
-        outcome = execute(engine, step_plan)
+        outcome = execute(engine, step_plan, **kwargs)
         ended = time.perf_counter()
         POINTS.append(("exec_end", ended))
         prefill = sum(len(work.tokens) for work in step_plan.prefills)
-        with _LOCK:
-            STEPS.append((started, ended, len(step_plan.decode), prefill))
-            THREADS["engine"].add(threading.get_native_id())
+        # A decode served from ahead was timed when it ran (below).
+        rows = 0 if kwargs.get("decoded") is not None else len(step_plan.decode)
+        if rows or prefill:
+            _step(started, ended, rows, prefill)
         return outcome
+
+    def timed_decode_ahead(self: Any, step_plan: Any, outcome: Any) -> None:
+        started = time.perf_counter()
+        decode_ahead(self, step_plan, outcome)
+        if self._ahead is not None:
+            _step(started, time.perf_counter(), len(self._ahead.tokens), 0)
+
+    def _step(started: float, ended: float, rows: int, prefill: int) -> None:
+        with _LOCK:
+            STEPS.append((started, ended, rows, prefill))
+            THREADS["engine"].add(threading.get_native_id())
 
     def timed_sample(sampler_: Any, step: Any, config: Any) -> Any:
         started = time.perf_counter()
@@ -112,7 +124,8 @@ def install() -> None:
             THREADS["sampler"].add(threading.get_native_id())
         return result
 
-    scheduler.execute = timed_execute  # type: ignore[assignment]
+    run_ahead.execute = timed_execute  # type: ignore[assignment]
+    run_ahead.RunAhead.run_ahead = timed_decode_ahead  # type: ignore[method-assign]
     sampler.sample_step = timed_sample  # type: ignore[assignment]
 
 

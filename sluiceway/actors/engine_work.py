@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Generic, ParamSpec, TypeVar
+from typing import Concatenate, Generic, ParamSpec, TypeVar
 
 import anyio
 import numpy as np
@@ -95,6 +95,36 @@ class EngineThread:
         future.add_done_callback(lambda _: wake(done.set))
         return Running(future, done)
 
+    def start_reporting(
+        self,
+        function: Callable[Concatenate[Callable[[T], None], P], None],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Running[T]:
+        """Like :meth:`start`, but ``function`` hands its result over through
+        the callback it gets first, and may go on working after that (the
+        engine decoding ahead); the caller's wait ends at the handover."""
+        done = anyio.Event()
+        wake = _soon_in_this_loop()
+        result: Future[T] = Future()
+
+        def report(value: T) -> None:
+            result.set_result(value)
+            wake(done.set)
+
+        def job() -> None:
+            try:
+                function(report, *args, **kwargs)
+            except BaseException as error:
+                if result.done():
+                    logger.exception("engine work after the handover failed")
+                else:
+                    result.set_exception(error)
+                    wake(done.set)
+
+        self._executor.submit(job)
+        return Running(result, done)
+
     def close(self) -> None:
         self._executor.shutdown(wait=True)
 
@@ -143,11 +173,15 @@ class StepOutcome:
     decode_greedy: npt.NDArray[np.int64] | None = None
 
 
-def execute(engine: Engine, plan: StepPlan) -> StepOutcome:
+def execute(engine: Engine, plan: StepPlan, *, decoded: DecodeResult | None = None) -> StepOutcome:
+    """Carry out ``plan``. ``decoded``: the plan's decode, already run ahead
+    of the plan (see :mod:`sluiceway.actors.run_ahead`)."""
     for slot in plan.frees:
         engine.free(slot)
     outcome = StepOutcome(prefills=[_prefill(engine, work) for work in plan.prefills])
-    if plan.decode:
+    if decoded is not None:
+        outcome.decode = decoded
+    elif plan.decode:
         try:
             outcome.decode = engine.decode(plan.decode)
         except Exception as error:  # reported to the requests in the batch

@@ -2,7 +2,8 @@
 
 Theory of operation. Requests wait in a bounded queue. Each step the scheduler
 plans, on the event loop, the engine work of one step, and runs it in one
-worker-thread call (``engine_work.execute``):
+engine-thread call (``engine_work.execute``, through
+``run_ahead.SteppingThread``, which decodes greedy steps ahead of the plan):
 
 - free the KV cache of rows that finished or were cancelled;
 - prefill up to ``prefill_chunk_tokens`` prompt tokens: first the prompts
@@ -40,8 +41,8 @@ from sluiceway.actors.engine_work import (
     Running,
     StepOutcome,
     StepPlan,
-    execute,
 )
+from sluiceway.actors.run_ahead import SteppingThread
 from sluiceway.engines.base import Engine
 from sluiceway.protocol.errors import Overloaded
 from sluiceway.protocol.messages import (
@@ -155,8 +156,7 @@ class Scheduler:
         config: SchedulerConfig,
         handle: SchedulerHandle,
     ) -> None:
-        self._engine = engine
-        self._thread = thread
+        self._steps = SteppingThread(engine, thread)
         self._config = config
         self._handle = handle
         self._waiting: deque[_Request] = deque()
@@ -207,7 +207,7 @@ class Scheduler:
                     for request in list(self._requests.values()):
                         self._close(request)
                     plan = StepPlan(frees=self._take_frees())
-                    await self._thread.run(execute, self._engine, plan)
+                    await self._steps.start(plan).result()
 
     # --- commands ---------------------------------------------------------
 
@@ -237,7 +237,7 @@ class Scheduler:
     def _start(self, plan: StepPlan | None) -> tuple[StepPlan, Running[StepOutcome]] | None:
         if plan is None:
             return None
-        return plan, self._thread.start(execute, self._engine, plan)
+        return plan, self._steps.start(plan)
 
     def _busy(self) -> bool:
         return bool(self._rows or self._prefilling or self._to_free) or self._can_admit()

@@ -74,6 +74,15 @@ class Engine(Protocol):
         """Drop the slot and its cache, wherever it is."""
         ...
 
+    def undo_decode(self) -> None:
+        """Forget the last :meth:`decode` of every running row, as if it never ran.
+
+        Only valid right after a decode in which no slot joined the batch. The
+        engine process uses it to take back a step it decoded ahead of the
+        scheduler when the scheduler then asks for something else.
+        """
+        ...
+
     def close(self) -> None: ...
 
 

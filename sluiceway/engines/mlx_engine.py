@@ -83,6 +83,13 @@ class MlxEngine:
         mx.eval(logits)
         return DecodeResult(tuple(self._order), np.asarray(logits))
 
+    def undo_decode(self) -> None:
+        if self._batch is None:
+            raise ValueError("no decode to undo")
+        for layer in self._batch:
+            if layer.trim(1) != 1:
+                raise ValueError("the cache cannot take back a position")
+
     def free(self, slot: int) -> None:
         if self._pending.pop(slot, None) is not None or slot not in self._order:
             return

@@ -206,6 +206,13 @@ class KVRows:
         """Every layer has written ``length`` positions: move ``end`` past them."""
         self.end += length
 
+    def retreat(self, length: int) -> None:
+        """Take back the last ``length`` positions of every row (they are
+        overwritten by the next write). No row may have started inside them."""
+        if self.window < length or any(f > self.end - length for f in self.first):
+            raise ValueError(f"cannot take back {length} positions")
+        self.end -= length
+
     # -- rows joining and leaving ------------------------------------------------------------
 
     def open_row(self) -> None:
@@ -400,6 +407,11 @@ class TransformersEngine:
             ids = torch.tensor([[tokens[slot]] for slot in self._order], device=self._device)
             logits = self._forward(self._batch, ids, keep=1)
             return DecodeResult(tuple(self._order), _to_numpy(logits[:, -1, :]))
+
+    def undo_decode(self) -> None:
+        if self._batch is None:
+            raise ValueError("no decode to undo")
+        self._batch.retreat(1)
 
     def free(self, slot: int) -> None:
         if self._pending.pop(slot, None) is not None or slot not in self._order:

@@ -70,6 +70,9 @@ class FakeEngine:
         assert set(self.running) == set(tokens), "decode names every running slot"
         return DecodeResult(tuple(self.running), self._logits([tokens[s] for s in self.running]))
 
+    def undo_decode(self) -> None:
+        self.calls.append(("undo_decode", None))
+
     def free(self, slot: int) -> None:
         self.calls.append(("free", slot))
         if slot in self.running:

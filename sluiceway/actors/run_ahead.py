@@ -1,0 +1,130 @@
+"""Decoding one greedy step ahead of the scheduler, in the engine process.
+
+After a greedy step the engine already knows every row's next token, and in
+the steady state the scheduler's next plan is exactly "decode these rows with
+those tokens". The engine thread does not wait for the plan: it hands the
+step's outcome to the event loop and starts that decode at once, while the
+outcome is fanned out and the plan is made, and when the plan comes it serves
+it from the step already taken. The engine then never idles for the round
+trip to the event loop, nor for the thread wake-up at its end.
+
+What the plan may differ in, and how that is met:
+
+- rows that finished or were cancelled are freed: the step taken ahead
+  computed them too; their results are dropped and the others kept;
+- prompts to prefill: run as usual; their rows join at a later step;
+- anything else (a row with another token, a row joining, a non-decode call):
+  the step is taken back with :meth:`Engine.undo_decode` and the plan runs
+  as if nothing had happened.
+
+Greedy decoding is a pure function of the tokens, so a step served from
+ahead is bit-identical to the step the plan would have run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from sluiceway.actors.engine_work import EngineThread, Running, StepOutcome, StepPlan, execute
+from sluiceway.engines.base import DecodeResult, Engine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ahead:
+    tokens: Mapping[int, int]
+    result: DecodeResult
+
+
+class RunAhead:
+    """Carries out plans on ``engine``, taking the next greedy decode ahead."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._ahead: _Ahead | None = None
+        #: Steps served from ahead, and steps taken back (for tests and logs).
+        self.served = 0
+        self.taken_back = 0
+
+    def execute(self, plan: StepPlan) -> StepOutcome:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            if _serves(ahead, plan):
+                self.served += 1
+                return execute(self._engine, plan, decoded=_only(ahead.result, plan.decode))
+            self._take_back()
+        return execute(self._engine, plan)
+
+    def settle(self) -> None:
+        """Take back a step decoded ahead, before any call other than :meth:`execute`."""
+        if self._ahead is not None:
+            self._ahead = None
+            self._take_back()
+
+    def run_ahead(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        """After ``plan`` gave ``outcome`` (and it was handed over): decode the
+        predicted next step. Even when the next plan is already queued: it is
+        then most likely the prediction, and served as soon as it is read."""
+        tokens = _prediction(plan, outcome)
+        if tokens is None:
+            return
+        try:
+            self._ahead = _Ahead(tokens, self._engine.decode(tokens))
+        except Exception:
+            # The plan will run the decode itself and report what fails.
+            logger.exception("decoding ahead failed")
+
+    def _take_back(self) -> None:
+        self.taken_back += 1
+        self._engine.undo_decode()
+
+
+def _prediction(plan: StepPlan, outcome: StepOutcome) -> dict[int, int] | None:
+    """The next step's decode, when the scheduler's next plan is foreseeable."""
+    if not plan.greedy or outcome.decode is None or outcome.decode_greedy is None:
+        return None
+    if any(work.final for work in plan.prefills):
+        return None  # a row joins next step, with a token sampled by the scheduler
+    tokens = outcome.decode_greedy.tolist()
+    return {slot: int(token) for slot, token in zip(outcome.decode.slots, tokens, strict=True)}
+
+
+def _serves(ahead: _Ahead, plan: StepPlan) -> bool:
+    """Whether the step taken ahead is ``plan``'s decode, give or take freed rows."""
+    if not plan.decode:
+        return False
+    if any(ahead.tokens.get(slot) != token for slot, token in plan.decode.items()):
+        return False
+    freed = set(plan.frees)
+    return all(slot in plan.decode or slot in freed for slot in ahead.tokens)
+
+
+def _only(result: DecodeResult, tokens: Mapping[int, int]) -> DecodeResult:
+    """``result`` restricted to the slots of ``tokens``, in the engine's order."""
+    if len(tokens) == len(result.slots):
+        return result
+    keep = [i for i, slot in enumerate(result.slots) if slot in tokens]
+    return DecodeResult(tuple(result.slots[i] for i in keep), result.logits[keep])
+
+
+class SteppingThread:
+    """Runs the scheduler's steps on the engine thread, decoding ahead between them."""
+
+    def __init__(self, engine: Engine, thread: EngineThread) -> None:
+        self._runner = RunAhead(engine)
+        self._thread = thread
+
+    @property
+    def runner(self) -> RunAhead:
+        return self._runner
+
+    def start(self, plan: StepPlan) -> Running[StepOutcome]:
+        return self._thread.start_reporting(self._step, plan)
+
+    def _step(self, report: Callable[[StepOutcome], None], plan: StepPlan) -> None:
+        outcome = self._runner.execute(plan)
+        report(outcome)
+        self._runner.run_ahead(plan, outcome)

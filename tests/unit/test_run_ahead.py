@@ -1,0 +1,170 @@
+"""Decoding ahead of the scheduler changes nothing the scheduler can see.
+
+A fake engine whose logits depend on each slot's whole token history (so a
+step applied twice, lost, or applied to the wrong row shows up at once) runs a
+random schedule twice: once plainly, once through :class:`RunAhead`. Every
+outcome, and the engine's final state, must be the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluiceway.actors.engine_work import PrefillWork, StepOutcome, StepPlan, execute
+from sluiceway.actors.run_ahead import RunAhead
+from sluiceway.engines.base import DecodeResult, EngineInfo, Logits
+
+VOCAB = 12
+
+
+def _logits_after(history: Sequence[int]) -> Logits:
+    seed = int.from_bytes(hashlib.sha256(bytes(history)).digest()[:8], "little")
+    return np.random.default_rng(seed).standard_normal(VOCAB).astype(np.float32)
+
+
+@dataclass
+class HistoryEngine:
+    pending: dict[int, list[int]] = field(default_factory=dict)
+    running: dict[int, list[int]] = field(default_factory=dict)
+    decodes: int = 0
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            name="history", device="cpu", dtype="float32", vocab_size=VOCAB, max_context=999
+        )
+
+    def prefill(self, slot: int, token_ids: Sequence[int], *, all_logits: bool = False) -> Logits:
+        history = self.pending.setdefault(slot, [])
+        history.extend(token_ids)
+        return _logits_after(history)[None]
+
+    def fork(self, source: int, target: int) -> None:
+        self.pending[target] = list(self.pending[source])
+
+    def decode(self, tokens: Mapping[int, int]) -> DecodeResult:
+        assert set(self.running) <= set(tokens), "decode names every running slot"
+        for slot in tokens:
+            if slot not in self.running:
+                self.running[slot] = self.pending.pop(slot)
+        self.decodes += 1
+        order = tuple(self.running)
+        for slot in order:
+            self.running[slot].append(tokens[slot])
+        return DecodeResult(order, np.stack([_logits_after(self.running[s]) for s in order]))
+
+    def undo_decode(self) -> None:
+        for history in self.running.values():
+            history.pop()
+
+    def free(self, slot: int) -> None:
+        self.pending.pop(slot, None)
+        self.running.pop(slot, None)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Schedule:
+    """A toy scheduler: decides each plan from the last outcome, as the real one does."""
+
+    draw: st.DataObject
+    next_slot: int = 0
+    tokens: dict[int, int] = field(default_factory=dict)  # slot -> next token to feed
+    joining: dict[int, int] = field(default_factory=dict)
+
+    def plan(self) -> StepPlan:
+        draw = self.draw.draw
+        frees = tuple(s for s in list(self.tokens) if draw(st.integers(0, 5)) == 0)
+        for slot in frees:
+            del self.tokens[slot]
+        decode = self.tokens | self.joining
+        self.tokens, self.joining = decode, {}
+        greedy = True
+        if decode and draw(st.integers(0, 6)) == 0:
+            # A sampled row: the token fed is not the argmax the engine saw.
+            slot = draw(st.sampled_from(sorted(decode)))
+            decode[slot] = (decode[slot] + 1) % VOCAB
+            greedy = False
+        prefills: list[PrefillWork] = []
+        if not decode or draw(st.integers(0, 3)) == 0:
+            slot, self.next_slot = self.next_slot, self.next_slot + 1
+            prompt = tuple(draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3)))
+            final = draw(st.booleans())
+            prefills.append(
+                PrefillWork(request_id=f"r{slot}", slot=slot, tokens=prompt, final=final)
+            )
+            if not final:  # the rest of the prompt comes next step
+                prefills.append(
+                    PrefillWork(request_id=f"r{slot}", slot=slot, tokens=(1,), final=True)
+                )
+        return StepPlan(frees=frees, prefills=tuple(prefills), decode=dict(decode), greedy=greedy)
+
+    def absorb(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        if outcome.decode is not None:
+            argmax = outcome.decode.logits.argmax(axis=-1).tolist()
+            for slot, token in zip(outcome.decode.slots, argmax, strict=True):
+                self.tokens[slot] = int(token)
+        for work, prefilled in zip(plan.prefills, outcome.prefills, strict=True):
+            if work.final and prefilled.logits is not None:
+                self.joining[work.slot] = int(prefilled.logits[-1].argmax())
+
+
+def same_outcome(left: StepOutcome, right: StepOutcome) -> None:
+    assert (left.decode is None) == (right.decode is None)
+    if left.decode is not None and right.decode is not None:
+        assert left.decode.slots == right.decode.slots
+        np.testing.assert_array_equal(left.decode.logits, right.decode.logits)
+    for mine, theirs in zip(left.prefills, right.prefills, strict=True):
+        np.testing.assert_array_equal(mine.logits, theirs.logits)
+    for mine, theirs in ((left.decode_greedy, right.decode_greedy),):
+        assert (mine is None) == (theirs is None)
+        if mine is not None:
+            assert mine.tolist() == theirs.tolist()  # type: ignore[union-attr]
+
+
+@settings(max_examples=120, deadline=None)
+@given(draw=st.data(), steps=st.integers(1, 40))
+def test_running_ahead_is_invisible(draw: st.DataObject, steps: int) -> None:
+    plain, ahead = HistoryEngine(), HistoryEngine()
+    runner = RunAhead(ahead)
+    schedule = Schedule(draw)
+    for _ in range(steps):
+        plan = schedule.plan()
+        expected = execute(plain, plan)
+        got = runner.execute(plan)
+        same_outcome(expected, got)
+        assert ahead.running == plain.running
+        assert ahead.pending == plain.pending
+        schedule.absorb(plan, got)
+        if draw.draw(st.booleans(), label="decode ahead"):
+            runner.run_ahead(plan, got)
+    runner.settle()
+    assert ahead.running == plain.running
+    assert ahead.pending == plain.pending
+
+
+def test_steady_greedy_steps_are_served_from_ahead() -> None:
+    engine = HistoryEngine()
+    runner = RunAhead(engine)
+    engine.prefill(0, [1, 2])
+    plan = StepPlan(decode={0: 3}, greedy=True)
+    for _ in range(5):
+        outcome = runner.execute(plan)
+        runner.run_ahead(plan, outcome)
+        assert outcome.decode_greedy is not None
+        plan = StepPlan(decode={0: int(outcome.decode_greedy[0])}, greedy=True)
+    assert runner.served == 4
+    assert runner.taken_back == 0
+    # Five steps asked for, six decoded: the last one waits, ahead, for a plan.
+    assert engine.decodes == 6
+    runner.settle()
+    assert runner.taken_back == 1
+    assert len(engine.running[0]) == 2 + 5
