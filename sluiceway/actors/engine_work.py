@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Concatenate, Generic, ParamSpec, TypeVar
+from typing import Concatenate, Generic, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 import anyio
 import numpy as np
@@ -171,6 +171,28 @@ class StepOutcome:
     decode_error: str | None = None
     #: The argmax of each decoded row, in a greedy step.
     decode_greedy: npt.NDArray[np.int64] | None = None
+
+
+class PendingStep(Protocol):
+    """A step under way; ``result()`` waits for it, shielded from cancellation."""
+
+    async def result(self) -> StepOutcome: ...
+
+
+@runtime_checkable
+class StepChannel(Protocol):
+    """An engine that takes whole steps over a channel of its own (one in a
+    child process), started and awaited from the event loop."""
+
+    def start_step(self, plan: StepPlan) -> PendingStep: ...
+
+
+def failed_step(plan: StepPlan, message: str) -> StepOutcome:
+    """The outcome of a step the engine could not run at all: every part failed."""
+    return StepOutcome(
+        prefills=[PrefillOutcome(error=message) for _ in plan.prefills],
+        decode_error=message if plan.decode else None,
+    )
 
 
 def execute(engine: Engine, plan: StepPlan, *, decoded: DecodeResult | None = None) -> StepOutcome:

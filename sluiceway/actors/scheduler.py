@@ -27,7 +27,7 @@ import contextlib
 import logging
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -37,8 +37,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from sluiceway.actors.engine_work import (
     EngineThread,
+    PendingStep,
     PrefillWork,
-    Running,
+    StepChannel,
     StepOutcome,
     StepPlan,
 )
@@ -156,7 +157,13 @@ class Scheduler:
         config: SchedulerConfig,
         handle: SchedulerHandle,
     ) -> None:
-        self._steps = SteppingThread(engine, thread)
+        # An engine in a child process takes steps over its pipe, from the
+        # loop; an engine in this process, on its thread.
+        self._start_step: Callable[[StepPlan], PendingStep] = (
+            engine.start_step
+            if isinstance(engine, StepChannel)
+            else SteppingThread(engine, thread).start
+        )
         self._config = config
         self._handle = handle
         self._waiting: deque[_Request] = deque()
@@ -175,7 +182,7 @@ class Scheduler:
     ) -> None:
         async with inbox, to_sampler, from_sampler:
             try:
-                step: tuple[StepPlan, Running[StepOutcome]] | None = None
+                step: tuple[StepPlan, PendingStep] | None = None
                 while True:
                     if step is None:
                         if not self._busy():
@@ -207,7 +214,7 @@ class Scheduler:
                     for request in list(self._requests.values()):
                         self._close(request)
                     plan = StepPlan(frees=self._take_frees())
-                    await self._steps.start(plan).result()
+                    await self._start_step(plan).result()
 
     # --- commands ---------------------------------------------------------
 
@@ -234,10 +241,10 @@ class Scheduler:
 
     # --- planning -----------------------------------------------------------
 
-    def _start(self, plan: StepPlan | None) -> tuple[StepPlan, Running[StepOutcome]] | None:
+    def _start(self, plan: StepPlan | None) -> tuple[StepPlan, PendingStep] | None:
         if plan is None:
             return None
-        return plan, self._steps.start(plan)
+        return plan, self._start_step(plan)
 
     def _busy(self) -> bool:
         return bool(self._rows or self._prefilling or self._to_free) or self._can_admit()

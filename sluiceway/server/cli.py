@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         "engine": "model runner (auto: mlx on a Metal GPU, else transformers if torch imports, else mlx on the CPU)",
         "device": "device of the transformers engine (auto: cuda if available)",
         "dtype": "weights dtype of the transformers engine (auto: the checkpoint's)",
+        "engine_process": "run the engine in a child process with an interpreter (and GIL) "
+        "of its own, instead of on a thread of the server's process",
         "worker_class": "Hypercorn worker class",
         "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
         "max_body_bytes": "largest request body accepted (413 beyond)",

@@ -37,6 +37,7 @@ class ServerConfig:
     engine: Literal["auto", "mlx", "transformers"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    engine_process: bool = False
     host: str = "127.0.0.1"
     port: int = 8000
     worker_class: WorkerClass = "asyncio"

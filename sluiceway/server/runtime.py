@@ -20,6 +20,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from sluiceway.actors import reducer, sampler
+from sluiceway.actors.engine_process import EngineSpec, ProcessEngine
 from sluiceway.actors.engine_work import EngineThread
 from sluiceway.actors.sampler import SamplerConfig
 from sluiceway.actors.scheduler import Scheduler, SchedulerConfig, SchedulerHandle, open_inbox
@@ -68,7 +69,7 @@ def _load(config: ServerConfig, thread: EngineThread) -> LoadedModel:
         spec = str(default_model_dir(cache_dir))
     source = resolve_model(spec)
     started = time.perf_counter()
-    engine = make_engine(config.engine, source, device=config.device, dtype=config.dtype)
+    engine = _start_engine(config, source)
     tokenizer = ModelTokenizer(source.path, engine.info.vocab_size)
     logger.info(
         "loaded %s on %s/%s (%s) in %.1f s",
@@ -79,6 +80,19 @@ def _load(config: ServerConfig, thread: EngineThread) -> LoadedModel:
         time.perf_counter() - started,
     )
     return LoadedModel(source, tokenizer, engine, int(time.time()), thread)
+
+
+def _start_engine(config: ServerConfig, source: ModelSource) -> Engine:
+    if not config.engine_process:
+        return make_engine(config.engine, source, device=config.device, dtype=config.dtype)
+    spec = EngineSpec(
+        choice=config.engine,
+        source=source,
+        device=config.device,
+        dtype=config.dtype,
+        log_level=config.log_level,
+    )
+    return ProcessEngine(spec)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -181,3 +181,58 @@ def test_full_queue_answers_429_and_waiting_streams_keep_alive(tight_server: Run
     wait_for(
         lambda: scheduler() == {"running_requests": 0, "running_sequences": 0, "queued_requests": 0}
     )
+
+
+@pytest.fixture(scope="module")
+def process_server(
+    default_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """The engine in a child process (``--engine-process``)."""
+    running = start_server(
+        default_model,
+        worker_class="asyncio",
+        log_dir=tmp_path_factory.mktemp("logs"),
+        extra_args=["--engine", "transformers", "--engine-process"],
+    )
+    yield running
+    running.stop()
+
+
+def test_engine_in_a_child_process_replies_the_same(
+    server: RunningServer, process_server: RunningServer
+) -> None:
+    """Greedy and seeded replies, with logprobs, batched or not, match the
+    engine on a thread; and the child's scheduler goes idle afterwards."""
+    if server.engine != "transformers":
+        pytest.skip("compared against the transformers engine")
+    payloads = [
+        {
+            **body(s, "Where does the Danube flow?", max_tokens=24),
+            "logprobs": True,
+            "top_logprobs": 2,
+        }
+        for s in (server, process_server)
+    ]
+    seeded = [
+        body(s, "Sing", max_tokens=16, temperature=1.0, seed=7) for s in (server, process_server)
+    ]
+    replies = []
+    for s, payload in zip((server, process_server), payloads, strict=True):
+        response = httpx.post(s.api_url + "/chat/completions", json=payload, timeout=120)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        replies.append((choice["message"]["content"], choice["logprobs"]["content"]))
+    (text, entries), (child_text, child_entries) = replies
+    assert child_text == text
+    assert [e["token"] for e in child_entries] == [e["token"] for e in entries]
+    for mine, theirs in zip(child_entries, entries, strict=True):
+        assert abs(mine["logprob"] - theirs["logprob"]) < 1e-4
+    batch = [body(process_server, "x" * (5 * i + 1), max_tokens=8 + 3 * i) for i in range(4)]
+    together = anyio.run(concurrently, process_server, [*batch[:2], seeded[1], *batch[2:]])
+    assert together[2] == reply_text(server, seeded[0])
+    health = httpx.get(process_server.base_url + "/health", timeout=10).json()
+    assert health["scheduler"] == {
+        "running_requests": 0,
+        "running_sequences": 0,
+        "queued_requests": 0,
+    }

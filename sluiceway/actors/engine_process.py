@@ -1,0 +1,247 @@
+"""The engine in a child process of its own (``--engine-process``).
+
+In one process the engine's Python glue and the event loop's per-token work
+share one GIL. A transformers forward pass makes hundreds of Python-level
+calls per step, and every torch kernel releases the GIL: the event loop takes
+it, and the engine then waits up to a switch interval to get it back, once per
+kernel. The engine ends up paying for the serving work twice, in CPU and in
+GIL waits. In a child process the engine has an interpreter to itself; one
+scheduler step costs one round trip over a pipe (the plan out, the outcome
+back), and in a greedy step only the chosen token ids come back, not the
+logits. In greedy steps the child does not even wait for that round trip: it
+decodes the next step ahead (:mod:`sluiceway.actors.run_ahead`).
+
+Steps are sent and their replies read on the event loop; the other calls
+(loading, closing, and the single-call methods of the engine interface that
+tests use) run on the engine thread. The scheduler never has a step in flight
+while one of those runs, so messages never interleave on the pipe.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import anyio
+
+from sluiceway.actors.engine_work import PendingStep, StepOutcome, StepPlan, failed_step
+from sluiceway.actors.run_ahead import RunAhead
+from sluiceway.engines.base import DecodeResult, Engine, EngineInfo, Logits
+from sluiceway.engines.loader import ModelSource
+
+logger = logging.getLogger(__name__)
+
+#: How long a closing child gets to release its engine before it is killed.
+CLOSE_TIMEOUT_SECONDS = 10.0
+
+_METHODS = frozenset({"execute", "prefill", "fork", "decode", "free", "undo_decode"})
+
+
+class EngineProcessError(RuntimeError):
+    """The child failed a call, could not start, or is gone."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSpec:
+    """What the child needs to build the engine (``--engine``, ``--device``, ``--dtype``)."""
+
+    choice: str
+    source: ModelSource
+    device: str
+    dtype: str
+    log_level: str = "info"
+
+
+class ProcessEngine:
+    """An :class:`~sluiceway.engines.base.Engine` whose calls run in a child process."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        # spawn, not fork: the parent may already hold threads and a torch
+        # or mlx runtime, which do not survive a fork.
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_end = context.Pipe(duplex=True)
+        self._process = context.Process(
+            target=_child_main, args=(child_end, spec), name="sluiceway-engine", daemon=True
+        )
+        self._process.start()
+        child_end.close()
+        try:
+            self._info: EngineInfo = self._receive()
+        except BaseException:
+            self._stop()
+            raise
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def start_step(self, plan: StepPlan) -> PendingStep:
+        """Send ``plan`` from the event loop; the reply is awaited there too.
+
+        The loop watches the pipe itself, so a step costs no thread hop: the
+        child's reply wakes the loop directly.
+        """
+        try:
+            self._conn.send(("execute", (plan,), {}))
+        except OSError as error:
+            return _Failed(
+                failed_step(plan, f"engine failed: the engine process is gone ({error})")
+            )
+        return _Reply(self, plan)
+
+    def prefill(self, slot: int, token_ids: Sequence[int], *, all_logits: bool = False) -> Logits:
+        logits: Logits = self._call("prefill", slot, tuple(token_ids), all_logits=all_logits)
+        return logits
+
+    def fork(self, source: int, target: int) -> None:
+        self._call("fork", source, target)
+
+    def decode(self, tokens: Mapping[int, int]) -> DecodeResult:
+        result: DecodeResult = self._call("decode", dict(tokens))
+        return result
+
+    def free(self, slot: int) -> None:
+        self._call("free", slot)
+
+    def undo_decode(self) -> None:
+        self._call("undo_decode")
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            try:
+                self._conn.send(("close", (), {}))
+                self._receive()
+            except (EngineProcessError, OSError):
+                pass
+        self._stop()
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            self._conn.send((method, args, kwargs))
+        except OSError as error:
+            raise EngineProcessError(f"the engine process is gone ({error})") from error
+        return self._receive()
+
+    def _receive(self) -> Any:
+        try:
+            status, value = self._conn.recv()
+        except (EOFError, OSError) as error:
+            code = self._process.exitcode
+            raise EngineProcessError(f"the engine process is gone (exit code {code})") from error
+        if status == "error":
+            raise EngineProcessError(value)
+        return value
+
+    def _stop(self) -> None:
+        self._process.join(CLOSE_TIMEOUT_SECONDS)
+        if self._process.is_alive():
+            logger.warning("the engine process did not exit; killing it")
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    engine: ProcessEngine
+    plan: StepPlan
+
+    async def result(self) -> StepOutcome:
+        # Shielded: the reply must be read even by a cancelled caller, or the
+        # next reader would take it for its own.
+        with anyio.CancelScope(shield=True):
+            await anyio.wait_readable(self.engine._conn.fileno())
+        try:
+            outcome: StepOutcome = self.engine._receive()
+        except EngineProcessError as error:
+            logger.error("engine step failed: %s", error)
+            return failed_step(self.plan, f"engine failed: {error}")
+        return outcome
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    outcome: StepOutcome
+
+    async def result(self) -> StepOutcome:
+        return self.outcome
+
+
+def _child_main(conn: Connection, spec: EngineSpec) -> None:
+    # Ctrl-C reaches the whole process group; the parent shuts down and then
+    # closes the engine, which must outlive the requests still finishing.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=spec.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from sluiceway.engines.select import make_engine
+
+    try:
+        engine = make_engine(spec.choice, spec.source, device=spec.device, dtype=spec.dtype)
+    except Exception as error:
+        logger.exception("the engine could not start")
+        conn.send(("error", f"{type(error).__name__}: {error}"))
+        return
+    conn.send(("ok", engine.info))
+    _serve(conn, engine)
+
+
+def _serve(conn: Connection, engine: Engine) -> None:
+    runner = RunAhead(engine)
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except (EOFError, OSError):
+            engine.close()  # the parent is gone
+            return
+        if method != "execute":
+            runner.settle()
+        if method == "close":
+            logger.info(
+                "steps decoded ahead: %d served, %d taken back", runner.served, runner.taken_back
+            )
+            engine.close()
+            conn.send(("ok", None))
+            return
+        if method not in _METHODS:
+            conn.send(("error", f"unknown engine call {method!r}"))
+            continue
+        try:
+            if method == "execute":
+                (plan,) = args
+                result: Any = _for_pipe(plan, runner.execute(plan))
+            else:
+                result = getattr(engine, method)(*args, **kwargs)
+        except Exception as error:
+            logger.exception("engine call %s failed", method)
+            conn.send(("error", f"{method} failed: {error}"))
+            continue
+        conn.send(("ok", result))
+        if method == "execute":
+            runner.run_ahead(plan, result)
+
+
+def _for_pipe(plan: StepPlan, outcome: StepOutcome) -> StepOutcome:
+    """``outcome`` minus what the parent will not read.
+
+    In a greedy step the scheduler uses only the engine's argmax, so the
+    logits stay here (a zero-width view keeps each block's row count).
+    """
+    if not plan.greedy:
+        return outcome
+    for prefilled in outcome.prefills:
+        if prefilled.greedy is not None and prefilled.logits is not None:
+            prefilled.logits = prefilled.logits[:, :0]
+    decoded = outcome.decode
+    if decoded is not None and outcome.decode_greedy is not None:
+        outcome.decode = DecodeResult(decoded.slots, decoded.logits[:, :0])
+    return outcome

@@ -1,0 +1,103 @@
+"""The engine in a child process (``--engine-process``), on both engines."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from sluiceway.actors.engine_process import EngineProcessError, EngineSpec, ProcessEngine
+from sluiceway.actors.engine_work import PrefillWork, StepPlan, execute
+from sluiceway.engines.loader import ModelSource
+from sluiceway.engines.select import make_engine
+from tests.engines.conftest import ENGINES
+from tests.engines.helpers import greedy_alone
+from tests.engines.test_parity import PROMPTS
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def in_child(request: pytest.FixtureRequest, tiny_model: ModelSource) -> Iterator[ProcessEngine]:
+    spec = EngineSpec(choice=str(request.param), source=tiny_model, device="auto", dtype="auto")
+    child = ProcessEngine(spec)
+    yield child
+    child.close()
+
+
+def test_the_child_decodes_as_the_engine_does(
+    in_child: ProcessEngine, tiny_model: ModelSource
+) -> None:
+    local = make_engine(in_child.info.name, tiny_model, device="auto", dtype="auto")
+    try:
+        for prompt in (PROMPTS["short"], PROMPTS["long"]):
+            assert greedy_alone(in_child, prompt, STEPS).tokens == (
+                greedy_alone(local, prompt, STEPS).tokens
+            )
+        assert in_child.info == local.info
+    finally:
+        local.close()
+
+
+@pytest.mark.anyio
+async def test_steps_over_the_pipe_match_steps_on_a_thread(
+    in_child: ProcessEngine, tiny_model: ModelSource
+) -> None:
+    """Greedy steps, served from ahead in the child, against ``execute`` in process."""
+    local = make_engine(in_child.info.name, tiny_model, device="auto", dtype="auto")
+    try:
+        plan = StepPlan(
+            prefills=(
+                PrefillWork(request_id="a", slot=3, tokens=tuple(PROMPTS["medium"]), final=True),
+            ),
+            greedy=True,
+        )
+        for _ in range(STEPS):
+            got = await in_child.start_step(plan).result()
+            expected = execute(local, plan)
+            if plan.prefills:
+                assert got.prefills[0].greedy is not None
+                assert expected.prefills[0].greedy is not None
+                token = int(expected.prefills[0].greedy[0])
+                assert int(got.prefills[0].greedy[0]) == token
+            else:
+                assert got.decode is not None
+                assert got.decode_greedy is not None
+                assert expected.decode_greedy is not None
+                assert got.decode.slots == (3,)
+                token = int(expected.decode_greedy[0])
+                assert int(got.decode_greedy[0]) == token
+                # A greedy step's logits stay in the child.
+                assert got.decode.logits.shape == (1, 0)
+            plan = StepPlan(decode={3: token}, greedy=True)
+        await in_child.start_step(StepPlan(frees=(3,))).result()
+    finally:
+        local.close()
+
+
+@pytest.mark.anyio
+async def test_a_dead_child_fails_the_step_not_the_server(tiny_model: ModelSource) -> None:
+    child = ProcessEngine(
+        EngineSpec(choice="transformers", source=tiny_model, device="auto", dtype="auto")
+    )
+    try:
+        child._process.kill()
+        child._process.join()
+        plan = StepPlan(
+            prefills=(PrefillWork(request_id="a", slot=0, tokens=(1, 2), final=True),),
+            decode={5: 1},
+        )
+        outcome = await child.start_step(plan).result()
+        assert outcome.prefills[0].error is not None
+        assert "engine" in outcome.prefills[0].error
+        assert outcome.decode_error is not None
+        with pytest.raises(EngineProcessError):
+            child.free(0)
+    finally:
+        child.close()
+
+
+def test_an_engine_that_cannot_start_says_why(tiny_model: ModelSource, tmp_path: object) -> None:
+    broken = ModelSource(path=tiny_model.path / "missing", config=tiny_model.config, name="x")
+    with pytest.raises(EngineProcessError):
+        ProcessEngine(EngineSpec(choice="transformers", source=broken, device="auto", dtype="auto"))
