@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -249,3 +250,28 @@ def test_json_extent(value: str, end: int) -> None:
 
 def test_is_a_tool_call_parser_class() -> None:
     assert isinstance(hermes(), HermesParser)
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(
+    cuts=st.sets(st.integers(1, 60), max_size=20), groups=st.sets(st.integers(1, 30), max_size=5)
+)
+def test_a_call_without_arguments_gets_an_empty_object(cuts: set[int], groups: set[int]) -> None:
+    """Clients json-parse ``arguments``: a call that names no arguments has ``{}``,
+    owned by the brace that closed the call, whatever the tokenization."""
+    text = 'a<tool_call>\n{"name": "f"}\n</tool_call>'
+    tokenized = tokenize(text.encode(), cuts)
+    steps = token_spans(tokenized)
+    run = run_chain([hermes(parallel_tool_calls=True)], regroup(steps, groups))
+    routed = route(run.events)
+    assert (routed.content, routed.call_list) == ("a", [("f", "{}")])
+    closing = text.index("}")
+    owner = next(
+        i for i, end in enumerate(itertools.accumulate(map(len, tokenized.pieces))) if end > closing
+    )
+    synthetic = [
+        e
+        for e in run.events
+        if isinstance(e, Span) and e.channel is Channel.TOOL_CALL and e.text == "{}"
+    ]
+    assert [e.token for e in synthetic] == [owner]

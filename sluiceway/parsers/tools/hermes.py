@@ -184,11 +184,18 @@ class HermesParser(ToolCallParser[HermesPhase]):
     ) -> None:
         super().__init__(GRAMMAR, tools=tools, parallel_tool_calls=parallel_tool_calls)
         self._name_from = 0
+        self._has_arguments = False
         self._extent = JsonExtent()
 
     def _after_literal(self, token: int, literal: str, out: list[Event]) -> None:
         if self._phase is _P.NAME:
             self._name_from = self._held.length
+            self._has_arguments = False
+        elif self._phase is _P.CLOSE_TAG and not self._has_arguments:
+            # {"name": "f"} with no arguments: clients parse arguments as JSON,
+            # so the call gets an empty object, owned by the closing brace.
+            out.append(self._argument(token, "{}"))
+            self._has_arguments = True
         elif self._phase is _P.TRAILING:
             self._end_call()
 
@@ -217,6 +224,7 @@ class HermesParser(ToolCallParser[HermesPhase]):
         return end
 
     def _on_arguments_start(self, token: int, text: str, position: int, out: list[Event]) -> int:
+        self._has_arguments = True
         char = text[position]
         if char in WHITESPACE:
             self._hold_or_drop(token, char, out)
