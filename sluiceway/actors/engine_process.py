@@ -19,10 +19,11 @@ while one of those runs, so messages never interleave on the pipe.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -108,6 +109,9 @@ class ProcessEngine:
     def decode(self, tokens: Mapping[int, int]) -> DecodeResult:
         result: DecodeResult = self._call("decode", dict(tokens))
         return result
+
+    def start_decode(self, tokens: Mapping[int, int]) -> Callable[[], DecodeResult]:
+        return functools.partial(self.decode, dict(tokens))
 
     def free(self, slot: int) -> None:
         self._call("free", slot)

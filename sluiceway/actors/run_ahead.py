@@ -23,6 +23,8 @@ ahead is bit-identical to the step the plan would have run.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -37,6 +39,10 @@ logger = logging.getLogger(__name__)
 class _Ahead:
     tokens: Mapping[int, int]
     result: DecodeResult
+
+
+def _nothing() -> None:
+    pass
 
 
 class RunAhead:
@@ -64,18 +70,36 @@ class RunAhead:
             self._ahead = None
             self._take_back()
 
-    def run_ahead(self, plan: StepPlan, outcome: StepOutcome) -> None:
-        """After ``plan`` gave ``outcome`` (and it was handed over): decode the
-        predicted next step. Even when the next plan is already queued: it is
-        then most likely the prediction, and served as soon as it is read."""
+    def run_ahead(
+        self, plan: StepPlan, outcome: StepOutcome, handover: Callable[[], None] = _nothing
+    ) -> None:
+        """After ``plan`` gave ``outcome``: decode the predicted next step.
+        Even when the next plan is already queued: it is then most likely the
+        prediction, and served as soon as it is read.
+
+        ``handover`` (giving ``outcome`` to the event loop) is called once the
+        decode is under way: after an engine that computes asynchronously has
+        built the step, so that the event loop's burst of work overlaps the
+        computation rather than the engine's own Python.
+        """
         tokens = _prediction(plan, outcome)
         if tokens is None:
+            handover()
             return
         try:
-            self._ahead = _Ahead(tokens, self._engine.decode(tokens))
+            finish = self._engine.start_decode(tokens)
         except Exception:
             # The plan will run the decode itself and report what fails.
             logger.exception("decoding ahead failed")
+            handover()
+            return
+        handover()
+        try:
+            self._ahead = _Ahead(tokens, finish())
+        except Exception:
+            logger.exception("decoding ahead failed")
+            with contextlib.suppress(Exception):  # the plan will fail on its own
+                self._engine.undo_decode()
 
     def _take_back(self) -> None:
         self.taken_back += 1
@@ -126,5 +150,4 @@ class SteppingThread:
 
     def _step(self, report: Callable[[StepOutcome], None], plan: StepPlan) -> None:
         outcome = self._runner.execute(plan)
-        report(outcome)
-        self._runner.run_ahead(plan, outcome)
+        self._runner.run_ahead(plan, outcome, functools.partial(report, outcome))

@@ -9,7 +9,7 @@ CPU torch tensor); on a CUDA device this is one device-to-host copy per step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -68,6 +68,13 @@ class Engine(Protocol):
         ``tokens`` names every slot in the running batch plus any newly
         prefilled slots, which join the batch here.
         """
+        ...
+
+    def start_decode(self, tokens: Mapping[int, int]) -> Callable[[], DecodeResult]:
+        """:meth:`decode` in two halves: this one does what needs the GIL and
+        starts the computation (mlx: builds the graph and ``async_eval``s it);
+        the returned call waits for it. An engine that computes eagerly
+        returns a call that does the whole decode."""
         ...
 
     def free(self, slot: int) -> None:

@@ -9,7 +9,7 @@ the batch without touching the other rows.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,6 +69,9 @@ class MlxEngine:
         self._pending[target] = [copy.deepcopy(layer) for layer in self._pending[source]]
 
     def decode(self, tokens: Mapping[int, int]) -> DecodeResult:
+        return self.start_decode(tokens)()
+
+    def start_decode(self, tokens: Mapping[int, int]) -> Callable[[], DecodeResult]:
         mx = self._mx
         # Checked before anything changes, so a bad call leaves the batch intact.
         missing = set(self._order) - tokens.keys()
@@ -80,8 +83,14 @@ class MlxEngine:
         self._join_new(tokens)
         inputs = mx.array([tokens[slot] for slot in self._order])[:, None]
         logits = self._model(inputs, cache=self._batch)[:, -1, :].astype(mx.float32)
-        mx.eval(logits)
-        return DecodeResult(tuple(self._order), np.asarray(logits))
+        mx.async_eval(logits)
+        order = tuple(self._order)
+
+        def finish() -> DecodeResult:
+            mx.eval(logits)  # waits with the GIL released
+            return DecodeResult(order, np.asarray(logits))
+
+        return finish
 
     def undo_decode(self) -> None:
         if self._batch is None:

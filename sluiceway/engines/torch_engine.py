@@ -40,9 +40,10 @@ of a decode step is one in-place write per layer.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -407,6 +408,9 @@ class TransformersEngine:
             ids = torch.tensor([[tokens[slot]] for slot in self._order], device=self._device)
             logits = self._forward(self._batch, ids, keep=1)
             return DecodeResult(tuple(self._order), _to_numpy(logits[:, -1, :]))
+
+    def start_decode(self, tokens: Mapping[int, int]) -> Callable[[], DecodeResult]:
+        return functools.partial(self.decode, dict(tokens))
 
     def undo_decode(self) -> None:
         if self._batch is None:

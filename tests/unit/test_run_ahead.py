@@ -8,8 +8,9 @@ outcome, and the engine's final state, must be the same.
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,6 +59,9 @@ class HistoryEngine:
         for slot in order:
             self.running[slot].append(tokens[slot])
         return DecodeResult(order, np.stack([_logits_after(self.running[s]) for s in order]))
+
+    def start_decode(self, tokens: Mapping[int, int]) -> Callable[[], DecodeResult]:
+        return functools.partial(self.decode, dict(tokens))
 
     def undo_decode(self) -> None:
         for history in self.running.values():
@@ -168,3 +172,38 @@ def test_steady_greedy_steps_are_served_from_ahead() -> None:
     runner.settle()
     assert runner.taken_back == 1
     assert len(engine.running[0]) == 2 + 5
+
+
+class AsyncHistoryEngine(HistoryEngine):
+    """Records when a decode is started and when it is waited for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+
+    def start_decode(self, tokens: Mapping[int, int]) -> Callable[[], DecodeResult]:
+        self.log.append("start")
+        result = self.decode(tokens)
+
+        def finish() -> DecodeResult:
+            self.log.append("finish")
+            return result
+
+        return finish
+
+
+def test_the_handover_comes_between_starting_and_finishing_the_decode() -> None:
+    engine = AsyncHistoryEngine()
+    runner = RunAhead(engine)
+    engine.prefill(0, [1, 2])
+    plan = StepPlan(decode={0: 3}, greedy=True)
+    outcome = runner.execute(plan)
+    runner.run_ahead(plan, outcome, lambda: engine.log.append("handover"))
+    assert engine.log == ["start", "handover", "finish"]
+    # Nothing to predict (a sampled step): the handover still happens, once.
+    engine.log.clear()
+    sampled = StepPlan(decode={0: 4})
+    runner.settle()
+    outcome = runner.execute(sampled)
+    runner.run_ahead(sampled, outcome, lambda: engine.log.append("handover"))
+    assert engine.log == ["handover"]

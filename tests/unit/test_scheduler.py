@@ -4,7 +4,7 @@ chunked prefill, batched decode, forks, finishing and cancellation."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -69,6 +69,9 @@ class FakeEngine:
                 self.running.append(slot)
         assert set(self.running) == set(tokens), "decode names every running slot"
         return DecodeResult(tuple(self.running), self._logits([tokens[s] for s in self.running]))
+
+    def start_decode(self, tokens: Mapping[int, int]) -> Callable[[], DecodeResult]:
+        return functools.partial(self.decode, dict(tokens))
 
     def undo_decode(self) -> None:
         self.calls.append(("undo_decode", None))
