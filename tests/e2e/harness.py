@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,3 +123,15 @@ def _wait_for(
         time.sleep(0.2)
     server.stop()
     raise RuntimeError(f"the server did not start in {STARTUP_SECONDS} s:\n{server.log()}")
+
+
+@contextlib.contextmanager
+def serving(
+    model: Path, log_dir: Path, *extra_args: str, worker_class: str = "asyncio"
+) -> Iterator[RunningServer]:
+    """A server with extra flags, stopped on exit (for module-scoped fixtures)."""
+    running = start_server(model, worker_class=worker_class, log_dir=log_dir, extra_args=extra_args)
+    try:
+        yield running
+    finally:
+        running.stop()

@@ -14,7 +14,7 @@ import torch
 from httpx_sse import connect_sse
 
 from tests.e2e import schemas
-from tests.e2e.harness import RunningServer, start_server
+from tests.e2e.harness import RunningServer, serving
 from tests.fixtures.scripted_model import ScriptedModel
 
 TOLERANCE = 1e-4
@@ -318,20 +318,14 @@ def test_multiple_prompts_share_one_reply(server: RunningServer) -> None:
 def processed_server(
     default_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
-    running = start_server(
+    with serving(
         default_model,
-        worker_class="asyncio",
-        log_dir=tmp_path_factory.mktemp("logs"),
-        extra_args=[
-            "--logprobs-mode",
-            "processed",
-            "--return-tokens-as-token-ids",
-            "--max-top-logprobs",
-            "7",
-        ],
-    )
-    yield running
-    running.stop()
+        tmp_path_factory.mktemp("logs"),
+        "--logprobs-mode", "processed",
+        "--return-tokens-as-token-ids",
+        "--max-top-logprobs", "7",
+    ) as running:  # fmt: skip
+        yield running
 
 
 def test_processed_mode_reports_the_sampled_distribution(

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.e2e import schemas
-from tests.e2e.harness import RunningServer, start_server
+from tests.e2e.harness import RunningServer, serving
 
 LONG_PROMPT = [{"role": "user", "content": "Tell me everything about the rivers of Europe. " * 3}]
 
@@ -93,19 +93,16 @@ def tight_server(
     default_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
     """Two rows, one waiting place, tiny prefill chunks, fast keepalives."""
-    running = start_server(
+    with serving(
         default_model,
+        tmp_path_factory.mktemp("logs"),
+        "--max-num-seqs", "2",
+        "--max-queued-requests", "1",
+        "--prefill-chunk-tokens", "5",
+        "--keepalive-seconds", "0.2",
         worker_class="trio",
-        log_dir=tmp_path_factory.mktemp("logs"),
-        extra_args=[
-            "--max-num-seqs", "2",
-            "--max-queued-requests", "1",
-            "--prefill-chunk-tokens", "5",
-            "--keepalive-seconds", "0.2",
-        ],
-    )  # fmt: skip
-    yield running
-    running.stop()
+    ) as running:  # fmt: skip
+        yield running
 
 
 def test_chunked_prefill_gives_the_same_reply(
@@ -188,14 +185,9 @@ def process_server(
     default_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
     """The engine in a child process (``--engine-process``)."""
-    running = start_server(
-        default_model,
-        worker_class="asyncio",
-        log_dir=tmp_path_factory.mktemp("logs"),
-        extra_args=["--engine", "transformers", "--engine-process"],
-    )
-    yield running
-    running.stop()
+    logs = tmp_path_factory.mktemp("logs")
+    with serving(default_model, logs, "--engine", "transformers", "--engine-process") as running:
+        yield running
 
 
 def test_engine_in_a_child_process_replies_the_same(
