@@ -19,6 +19,7 @@ while one of those runs, so messages never interleave on the pipe.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import multiprocessing
@@ -56,6 +57,7 @@ class EngineSpec:
     device: str
     dtype: str
     log_level: str = "info"
+    log_format: str = logging.BASIC_FORMAT
 
 
 class ProcessEngine:
@@ -81,10 +83,6 @@ class ProcessEngine:
     def info(self) -> EngineInfo:
         return self._info
 
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid
-
     def start_step(self, plan: StepPlan) -> PendingStep:
         """Send ``plan`` from the event loop; the reply is awaited there too.
 
@@ -92,11 +90,9 @@ class ProcessEngine:
         child's reply wakes the loop directly.
         """
         try:
-            self._conn.send(("execute", (plan,), {}))
-        except OSError as error:
-            return _Failed(
-                failed_step(plan, f"engine failed: the engine process is gone ({error})")
-            )
+            self._send("execute", plan)
+        except EngineProcessError as error:
+            return _Failed(failed_step(plan, f"engine failed: {error}"))
         return _Reply(self, plan)
 
     def prefill(self, slot: int, token_ids: Sequence[int], *, all_logits: bool = False) -> Logits:
@@ -121,19 +117,19 @@ class ProcessEngine:
 
     def close(self) -> None:
         if self._process.is_alive():
-            try:
-                self._conn.send(("close", (), {}))
-                self._receive()
-            except (EngineProcessError, OSError):
-                pass
+            with contextlib.suppress(EngineProcessError):
+                self._call("close")
         self._stop()
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self._send(method, *args, **kwargs)
+        return self._receive()
+
+    def _send(self, method: str, *args: Any, **kwargs: Any) -> None:
         try:
             self._conn.send((method, args, kwargs))
         except OSError as error:
             raise EngineProcessError(f"the engine process is gone ({error})") from error
-        return self._receive()
 
     def _receive(self) -> Any:
         try:
@@ -184,9 +180,7 @@ def _child_main(conn: Connection, spec: EngineSpec) -> None:
     # Ctrl-C reaches the whole process group; the parent shuts down and then
     # closes the engine, which must outlive the requests still finishing.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(
-        level=spec.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=spec.log_level.upper(), format=spec.log_format)
     from sluiceway.engines.select import make_engine
 
     try:

@@ -84,16 +84,12 @@ class EngineThread:
         return await self.start(function, *args, **kwargs).result()
 
     def start(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Running[T]:
-        """Start ``function`` on the engine thread; await ``result()`` later.
+        """Start ``function`` on the engine thread; await ``result()`` later."""
 
-        The engine thread wakes the event loop itself when done: one thread
-        hop each way (a worker thread parked on the future would add two).
-        """
-        done = anyio.Event()
-        wake = _soon_in_this_loop()
-        future = self._executor.submit(function, *args, **kwargs)
-        future.add_done_callback(lambda _: wake(done.set))
-        return Running(future, done)
+        def call(report: Callable[[T], None]) -> None:
+            report(function(*args, **kwargs))
+
+        return self.start_reporting(call)
 
     def start_reporting(
         self,
@@ -101,9 +97,13 @@ class EngineThread:
         *args: P.args,
         **kwargs: P.kwargs,
     ) -> Running[T]:
-        """Like :meth:`start`, but ``function`` hands its result over through
-        the callback it gets first, and may go on working after that (the
-        engine decoding ahead); the caller's wait ends at the handover."""
+        """Start ``function`` on the engine thread; it hands its result over
+        through the callback it gets first, and may go on working after that
+        (the engine decoding ahead). The caller's wait ends at the handover.
+
+        The engine thread wakes the event loop itself: one thread hop each way
+        (a worker thread parked on a future would add two).
+        """
         done = anyio.Event()
         wake = _soon_in_this_loop()
         result: Future[T] = Future()

@@ -1,4 +1,4 @@
-"""Decoding one greedy step ahead of the scheduler, in the engine process.
+"""Decoding one greedy step ahead of the scheduler, where the engine runs.
 
 After a greedy step the engine already knows every row's next token, and in
 the steady state the scheduler's next plan is exactly "decode these rows with

@@ -62,6 +62,7 @@ from sluiceway.protocol.messages import (
     Submit,
     TokenLogprob,
     TokenSample,
+    is_argmax,
 )
 
 logger = logging.getLogger(__name__)
@@ -516,12 +517,6 @@ class _Batch:
 
 
 def _starts_plain(spec: GenerationRequest) -> bool:
-    """Whether a request's first token is a plain argmax (see ``Row.plain``)."""
-    sampling = spec.sampling
-    return (
-        sampling.greedy
-        and not sampling.logit_bias
-        and not sampling.penalised
-        and spec.limits.min_tokens == 0
-        and not spec.logprobs.per_token
-    )
+    """Whether a request's first token is a plain argmax (``Row.plain``; with
+    ``min_tokens`` its first row suppresses EOS)."""
+    return is_argmax(spec.sampling, spec.logprobs) and spec.limits.min_tokens == 0

@@ -84,9 +84,10 @@ class Engine(Protocol):
     def undo_decode(self) -> None:
         """Forget the last :meth:`decode` of every running row, as if it never ran.
 
-        Only valid right after a decode in which no slot joined the batch. The
-        engine process uses it to take back a step it decoded ahead of the
-        scheduler when the scheduler then asks for something else.
+        Only valid right after a decode in which no slot joined the batch.
+        Decoding ahead (``sluiceway.actors.run_ahead``) uses it to take back a
+        step it ran before the scheduler's plan, when the plan asks for
+        something else.
         """
         ...
 

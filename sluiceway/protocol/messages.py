@@ -139,14 +139,17 @@ class Row:
     @property
     def plain(self) -> bool:
         """Greedy with nothing to adjust and no logprobs: an argmax."""
-        sampling = self.sampling
-        return (
-            sampling.greedy
-            and not sampling.logit_bias
-            and not sampling.penalised
-            and not self.suppress
-            and not self.logprobs.per_token
-        )
+        return is_argmax(self.sampling, self.logprobs) and not self.suppress
+
+
+def is_argmax(sampling: SamplingParams, logprobs: LogprobParams) -> bool:
+    """Greedy, with no bias or penalties to apply and no logprobs to keep."""
+    return (
+        sampling.greedy
+        and not sampling.logit_bias
+        and not sampling.penalised
+        and not logprobs.per_token
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sluiceway import __version__
-from sluiceway.server.config import CHOICES, ServerConfig
+from sluiceway.server.config import CHOICES, LOG_FORMAT, ServerConfig
 
 #: Model loading (and building the default model) happens during start-up.
 STARTUP_TIMEOUT_SECONDS = 900
@@ -106,8 +106,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"sluiceway: {error}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     serve(config)
     return 0

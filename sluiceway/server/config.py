@@ -11,6 +11,9 @@ WorkerClass = Literal["asyncio", "trio"]
 
 ENV_PREFIX = "SLUICEWAY_"
 
+#: The log line of the server (and of its engine process).
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 #: Fields whose value is one of a few words (checked, since the environment
 #: can hold anything).
 CHOICES: dict[str, tuple[str, ...]] = {

@@ -30,7 +30,7 @@ from sluiceway.engines.loader import ModelSource, resolve_model
 from sluiceway.engines.select import make_engine
 from sluiceway.engines.tokenizer import ModelTokenizer
 from sluiceway.protocol.messages import LogitsStep, SampledStep
-from sluiceway.server.config import ServerConfig
+from sluiceway.server.config import LOG_FORMAT, ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ def _start_engine(config: ServerConfig, source: ModelSource) -> Engine:
         device=config.device,
         dtype=config.dtype,
         log_level=config.log_level,
+        log_format=LOG_FORMAT,
     )
     return ProcessEngine(spec)
 
