@@ -97,7 +97,7 @@ async def test_a_dead_child_fails_the_step_not_the_server(tiny_model: ModelSourc
         child.close()
 
 
-def test_an_engine_that_cannot_start_says_why(tiny_model: ModelSource, tmp_path: object) -> None:
+def test_an_engine_that_cannot_start_says_why(tiny_model: ModelSource) -> None:
     broken = ModelSource(path=tiny_model.path / "missing", config=tiny_model.config, name="x")
-    with pytest.raises(EngineProcessError):
+    with pytest.raises(EngineProcessError, match="missing"):
         ProcessEngine(EngineSpec(choice="transformers", source=broken, device="auto", dtype="auto"))
