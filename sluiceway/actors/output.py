@@ -190,47 +190,78 @@ class ChoiceOutput:
         return tuple(self.waiting.pop(t) for t in tokens if t in self.waiting)
 
 
+class RequestOutputs:
+    """The sans-IO core of one request's output actor: scheduler messages in,
+    emitter events out.
+
+    After :meth:`close` (the scheduler ended the request) or a failure, it
+    is ``ended`` and produces nothing more.
+    """
+
+    def __init__(self, config: OutputConfig, scheduler: ChoiceFinisher) -> None:
+        self._config = config
+        self._scheduler = scheduler
+        self._entries = EntryFactory(config.table, config.tokens_as_ids)
+        self._choices = [
+            ChoiceOutput(
+                index=config.index_offset + i,
+                pipeline=config.make_pipeline(),
+                entries=self._entries,
+                with_logprobs=config.logprobs,
+                include_stop_token_text=config.include_stop_token_text,
+            )
+            for i in range(config.n)
+        ]
+        self.ended = False
+
+    def handle(self, message: RequestOutput) -> list[EmitterEvent]:
+        if self.ended:
+            return []
+        if isinstance(message, StepOutput):
+            return self._step(message)
+        if isinstance(message, PromptScores):
+            return [_prompt_logprobs(message, self._config, self._entries)]
+        if isinstance(message, RequestFailed):
+            self.ended = True  # no usage follows a failure
+            return [Failed(message=message.message)]
+        return []
+
+    def close(self) -> list[EmitterEvent]:
+        """The scheduler's stream ended: choices it did not finish are cut off."""
+        if self.ended:
+            return []
+        self.ended = True
+        leftovers = [delta for choice in self._choices for delta in choice.abandon()]
+        usage = Completed(usage=_usage(self._choices, len(self._config.prompt_ids)))
+        return [Deltas(deltas=tuple(leftovers)), usage] if leftovers else [usage]
+
+    def _step(self, message: StepOutput) -> list[EmitterEvent]:
+        deltas = []
+        for sample in message.samples:
+            produced, stopped = self._choices[sample.choice].take(sample)
+            deltas += produced
+            if stopped:
+                self._scheduler.finish_choice(self._config.request_id, sample.choice)
+        return [Deltas(deltas=tuple(deltas))] if deltas else []
+
+
 async def run(
     receive: MemoryObjectReceiveStream[RequestOutput],
     send: MemoryObjectSendStream[EmitterEvent],
     scheduler: ChoiceFinisher,
     config: OutputConfig,
 ) -> None:
-    entries = EntryFactory(config.table, config.tokens_as_ids)
-    choices = [
-        ChoiceOutput(
-            index=config.index_offset + i,
-            pipeline=config.make_pipeline(),
-            entries=entries,
-            with_logprobs=config.logprobs,
-            include_stop_token_text=config.include_stop_token_text,
-        )
-        for i in range(config.n)
-    ]
+    """The output actor as its own task, for replies that merge several
+    requests' events (a legacy completions request with a list of prompts)."""
+    outputs = RequestOutputs(config, scheduler)
     async with receive, send:
-        while True:
+        while not outputs.ended:
             try:
-                message = await take(receive)
+                events = outputs.handle(await take(receive))
             except anyio.EndOfStream:
-                break
-            if isinstance(message, StepOutput):
-                deltas = []
-                for sample in message.samples:
-                    produced, stopped = choices[sample.choice].take(sample)
-                    deltas += produced
-                    if stopped:
-                        scheduler.finish_choice(config.request_id, sample.choice)
-                if deltas:
-                    await put(send, Deltas(deltas=tuple(deltas)))
-            elif isinstance(message, PromptScores):
-                await put(send, _prompt_logprobs(message, config, entries))
-            elif isinstance(message, RequestFailed):
-                await put(send, Failed(message=message.message))
-                return
-        leftovers = [delta for choice in choices for delta in choice.abandon()]
-        if leftovers:
-            await put(send, Deltas(deltas=tuple(leftovers)))
-        await put(send, Completed(usage=_usage(choices, len(config.prompt_ids))))
+                events = outputs.close()
+            for event in events:
+                await put(send, event)
 
 
 def _usage(choices: list[ChoiceOutput], prompt_tokens: int) -> Usage:

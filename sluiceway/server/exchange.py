@@ -2,8 +2,10 @@
 
 An exchange has one job per prompt (chat: always one; legacy completions: one
 per prompt in the list), each with its own output actor, all feeding one
-emitter. The exchange gets its own task group: the output actors, the emitter,
-and a watcher that awaits ``http.disconnect`` (under Hypercorn's trio worker a
+emitter. With one job, the output actor's sans-IO core runs in the exchange's
+own task, beside the emitter; with several, each runs in a task of its own and
+they merge into one channel. The exchange gets its own task group: those
+output tasks, and a watcher that awaits ``http.disconnect`` (under Hypercorn's trio worker a
 disconnect only reaches an app with a task awaiting ``receive()``). Whichever
 ends first -- the reply or the client -- cancels the rest, and the scheduler is
 told to drop the requests, which frees their slots within one step.
@@ -12,6 +14,7 @@ told to drop the requests, which frees their slots within one step.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,21 +76,91 @@ def _submit_all(
     return streams
 
 
-def _start_outputs(
+class _Events(Protocol):
+    """Where an exchange reads its emitter events from."""
+
+    async def next(self) -> list[EmitterEvent]:
+        """The next events (possibly none); ``EndOfStream`` once all are read."""
+        ...
+
+    def waiting(self) -> list[EmitterEvent]:
+        """Events ready now, without waiting."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class _Merged:
+    """Several output actors, each in its own task, feeding one channel."""
+
+    events: MemoryObjectReceiveStream[EmitterEvent]
+
+    async def next(self) -> list[EmitterEvent]:
+        return [await take(self.events)]
+
+    def waiting(self) -> list[EmitterEvent]:
+        try:
+            return [self.events.receive_nowait()]
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            return []
+
+    def close(self) -> None:
+        self.events.close()
+
+
+@dataclass(slots=True)
+class _Inline:
+    """One request's output actor run in the exchange's own task: a reply fed
+    by a single request saves a task hop per token."""
+
+    tokens: MemoryObjectReceiveStream[RequestOutput]
+    outputs: output.RequestOutputs
+
+    async def next(self) -> list[EmitterEvent]:
+        if self.outputs.ended:
+            raise anyio.EndOfStream
+        try:
+            return self.outputs.handle(await take(self.tokens))
+        except anyio.EndOfStream:
+            return self.outputs.close()
+
+    def waiting(self) -> list[EmitterEvent]:
+        try:
+            return self.outputs.handle(self.tokens.receive_nowait())
+        except anyio.WouldBlock:
+            return []
+        except anyio.EndOfStream:
+            return self.outputs.close()
+
+    def close(self) -> None:
+        self.tokens.close()
+
+
+def _start_events(
     group: TaskGroup,
     scheduler: Submitter,
     jobs: Sequence[Job],
     streams: Sequence[MemoryObjectReceiveStream[RequestOutput]],
-    events: MemoryObjectSendStream[EmitterEvent],
-) -> None:
-    with events:
+) -> _Events:
+    if len(jobs) == 1:
+        return _Inline(streams[0], output.RequestOutputs(jobs[0].output, scheduler))
+    events_send, events_receive = anyio.create_memory_object_stream[EmitterEvent](4)
+    with events_send:
         for job, tokens in zip(jobs, streams, strict=True):
-            group.start_soon(output.run, tokens, events.clone(), scheduler, job.output)
+            group.start_soon(output.run, tokens, events_send.clone(), scheduler, job.output)
+    return _Merged(events_receive)
 
 
-def _cancel_jobs(scheduler: Submitter, jobs: Sequence[Job]) -> None:
+def _cancel_jobs(
+    scheduler: Submitter,
+    jobs: Sequence[Job],
+    streams: Sequence[MemoryObjectReceiveStream[RequestOutput]],
+) -> None:
     for job in jobs:
         scheduler.cancel(job.request.request_id)
+    for tokens in streams:
+        tokens.close()  # the output tasks close theirs too; closing twice is harmless
 
 
 async def stream_reply(
@@ -104,19 +177,18 @@ async def stream_reply(
     they arrive, and events already waiting go out in one write.
     """
     streams = _submit_all(scheduler, jobs)
-    events_send, events_receive = anyio.create_memory_object_stream[EmitterEvent](4)
     try:
         async with anyio.create_task_group() as group:
-            _start_outputs(group, scheduler, jobs, streams, events_send)
+            events = _start_events(group, scheduler, jobs, streams)
             group.start_soon(_cancel_on_disconnect, receive, group.cancel_scope)
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             await _body(send, encoder.start())
-            async with events_receive:
-                await _relay(events_receive, send, encoder, keepalive_seconds)
+            with closing(events):
+                await _relay(events, send, encoder, keepalive_seconds)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             group.cancel_scope.cancel()
     finally:
-        _cancel_jobs(scheduler, jobs)
+        _cancel_jobs(scheduler, jobs, streams)
 
 
 async def _body(send: Send, frame: bytes) -> None:
@@ -124,10 +196,7 @@ async def _body(send: Send, frame: bytes) -> None:
 
 
 async def _relay(
-    events: MemoryObjectReceiveStream[EmitterEvent],
-    send: Send,
-    encoder: StreamEncoder,
-    keepalive_seconds: float,
+    events: _Events, send: Send, encoder: StreamEncoder, keepalive_seconds: float
 ) -> None:
     """Frame events until the outputs are done.
 
@@ -137,27 +206,22 @@ async def _relay(
     """
     flowing = False
     while True:
-        if flowing:
-            try:
-                event = await take(events)
-            except anyio.EndOfStream:
-                return
-        else:
-            with anyio.move_on_after(keepalive_seconds) as waited:
-                try:
-                    event = await events.receive()
-                except anyio.EndOfStream:
-                    return
-            if waited.cancelled_caught:
-                await _body(send, KEEPALIVE)
-                continue
-            flowing = isinstance(event, Deltas)
-        frame = encoder.encode(event)
-        while True:  # whatever else is already waiting goes in the same write
-            try:
-                frame += encoder.encode(events.receive_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream):
-                break
+        try:
+            if flowing:
+                ready = await events.next()
+            else:
+                ready = []
+                with anyio.move_on_after(keepalive_seconds) as waited:
+                    ready = await events.next()
+                if waited.cancelled_caught:
+                    await _body(send, KEEPALIVE)
+                    continue
+                flowing = any(isinstance(event, Deltas) for event in ready)
+        except anyio.EndOfStream:
+            return
+        frame = b"".join(encoder.encode(event) for event in ready)
+        while more := events.waiting():  # what is already waiting goes in the same write
+            frame += b"".join(encoder.encode(event) for event in more)
         if frame:
             await _body(send, frame)
 
@@ -173,17 +237,21 @@ async def collect_reply(
     Returns False when the client disconnected first.
     """
     streams = _submit_all(scheduler, jobs)
-    events_send, events_receive = anyio.create_memory_object_stream[EmitterEvent](4)
     finished = False
     try:
         async with anyio.create_task_group() as group:
-            _start_outputs(group, scheduler, jobs, streams, events_send)
+            events = _start_events(group, scheduler, jobs, streams)
             group.start_soon(_cancel_on_disconnect, receive, group.cancel_scope)
-            async with events_receive:
-                async for event in events_receive:
-                    collect(event)
+            with closing(events):
+                while True:
+                    try:
+                        ready = await events.next()
+                    except anyio.EndOfStream:
+                        break
+                    for event in ready:
+                        collect(event)
             finished = True
             group.cancel_scope.cancel()
     finally:
-        _cancel_jobs(scheduler, jobs)
+        _cancel_jobs(scheduler, jobs, streams)
     return finished

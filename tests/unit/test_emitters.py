@@ -15,7 +15,18 @@ from sluiceway.actors.emitters.chat import (
     ChatStreamEncoder,
     ReasoningField,
 )
-from sluiceway.protocol.messages import ChoiceDelta, Completed, Deltas, Usage
+from sluiceway.actors.emitters.completions import (
+    CompletionReplyConfig,
+    CompletionStreamEncoder,
+)
+from sluiceway.protocol.messages import (
+    ChoiceDelta,
+    ChoiceLogprobs,
+    Completed,
+    Deltas,
+    LogprobEntry,
+    Usage,
+)
 
 FIELDS: tuple[ReasoningField, ...] = ("reasoning_content", "reasoning", "both")
 
@@ -54,6 +65,43 @@ def test_text_frames_match_the_models(
     assert framed.startswith(b"data: ")
     assert framed.index(b"\n") == len(framed) - 2  # one line, then the blank line
     assert json.loads(framed[6:]) == json.loads(slow.encode(Deltas(deltas=(delta,)))[6:])
+
+
+@given(
+    texts=st.lists(st.tuples(st.integers(0, 2), st.text()), min_size=1, max_size=6),
+    usage=st.booleans(),
+    logprobs=st.sampled_from([None, 0, 2]),
+)
+def test_completion_text_frames_match_the_models(
+    texts: list[tuple[int, str]], usage: bool, logprobs: int | None
+) -> None:
+    def encoder() -> CompletionStreamEncoder:
+        return CompletionStreamEncoder(
+            CompletionReplyConfig(
+                completion_id="cmpl-1",
+                created=7,
+                model='m"odel',
+                n=3,
+                jobs=1,
+                logprobs=logprobs,
+                include_usage=usage,
+            )
+        )
+
+    fast, slow = encoder(), encoder()
+    slow._fragments.text_only = lambda _: False  # type: ignore[method-assign]
+    # Every delta before the last carries no logprobs; the last one does
+    # one, so it takes the model path wherever logprobs were asked for, and its
+    # text_offset shows whether the fast path counted the text already sent.
+    entry = LogprobEntry(token="x", token_id=1, logprob=-0.5, bytes=(120,), top_logprobs=())
+    scored = ChoiceLogprobs(content=(entry,), content_offsets=(0,))
+    deltas = [ChoiceDelta(index=i, content=text) for i, text in texts]
+    deltas.append(ChoiceDelta(index=texts[0][0], content="x", logprobs=scored))
+    for delta in deltas:
+        framed = fast.encode(Deltas(deltas=(delta,)))
+        assert framed.startswith(b"data: ")
+        assert framed.index(b"\n") == len(framed) - 2
+        assert json.loads(framed[6:]) == json.loads(slow.encode(Deltas(deltas=(delta,)))[6:])
 
 
 @pytest.mark.parametrize("field", FIELDS)

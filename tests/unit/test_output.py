@@ -1,4 +1,5 @@
-"""The output actor's per-choice path: entries ride the chunk carrying their text."""
+"""The output actor's per-choice path: entries ride the chunk carrying their
+text; and its request-level core: stops, the end of a request, failures."""
 
 from __future__ import annotations
 
@@ -7,10 +8,22 @@ import itertools
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from sluiceway.actors.output import ChoiceOutput, EntryFactory
+from sluiceway.actors.output import ChoiceOutput, EntryFactory, OutputConfig, RequestOutputs
 from sluiceway.parsers.detokenizer import TokenTable
 from sluiceway.parsers.pipeline import ChoicePipeline
-from sluiceway.protocol.messages import ChoiceDelta, FinishCause, TokenLogprob, TokenSample
+from sluiceway.parsers.registry import TextPathOptions, build_pipeline
+from sluiceway.protocol.messages import (
+    ChoiceDelta,
+    Completed,
+    Deltas,
+    Failed,
+    FinishCause,
+    RequestFailed,
+    StepOutput,
+    TokenLogprob,
+    TokenSample,
+    Usage,
+)
 
 EOS = 0
 
@@ -74,3 +87,56 @@ def test_entries_are_exact_and_travel_with_their_text(case: tuple[str, list[byte
         assert text.encode().startswith(consumed) or delta is deltas[-1]
         assert len(consumed) - len(released) < 4 or delta is deltas[-1]
         assert all(offset <= len(delta.content) for offset in delta.logprobs.content_offsets)
+
+
+class Finisher:
+    def __init__(self) -> None:
+        self.finished: list[tuple[str, int]] = []
+
+    def finish_choice(self, request_id: str, choice: int) -> None:
+        self.finished.append((request_id, choice))
+
+
+def request_outputs(finisher: Finisher, n: int = 2) -> RequestOutputs:
+    table = TokenTable((b"<eos>", b"ab", b"c", b"STOP", b"d"), frozenset({EOS}))
+    config = OutputConfig(
+        request_id="r1",
+        n=n,
+        prompt_ids=(1, 2, 3),
+        table=table,
+        make_pipeline=lambda: build_pipeline(table, TextPathOptions(stop=("STOP",))),
+        logprobs=False,
+    )
+    return RequestOutputs(config, finisher)
+
+
+def step(*samples: tuple[int, int]) -> StepOutput:
+    return StepOutput(
+        samples=tuple(TokenSample(choice=c, token_id=t, logprob=None) for c, t in samples)
+    )
+
+
+def test_a_stop_string_finishes_its_choice_and_the_end_cuts_off_the_rest() -> None:
+    finisher = Finisher()
+    outputs = request_outputs(finisher)
+    events = outputs.handle(step((0, 1), (1, 2)))
+    events += outputs.handle(step((0, 3), (1, 4)))
+    assert finisher.finished == [("r1", 0)]
+    events += outputs.close()
+    assert outputs.ended
+    assert outputs.close() == []
+    assert outputs.handle(step((1, 2))) == []
+    deltas = [d for e in events if isinstance(e, Deltas) for d in e.deltas]
+    text = {i: "".join(d.content for d in deltas if d.index == i) for i in (0, 1)}
+    assert text == {0: "ab", 1: "cd"}
+    finishes = {d.index: (d.finish_reason, d.matched_stop) for d in deltas if d.finish_reason}
+    assert finishes == {0: ("stop", "STOP"), 1: ("stop", None)}
+    assert events[-1] == Completed(usage=Usage(prompt_tokens=3, completion_tokens=4))
+
+
+def test_a_failure_ends_the_output_without_usage() -> None:
+    outputs = request_outputs(Finisher(), n=1)
+    assert outputs.handle(step((0, 1))) == [Deltas(deltas=(ChoiceDelta(index=0, content="ab"),))]
+    assert outputs.handle(RequestFailed(message="engine died")) == [Failed(message="engine died")]
+    assert outputs.ended
+    assert outputs.close() == []
