@@ -102,9 +102,9 @@ def install() -> None:
             _step(started, ended, rows, prefill)
         return outcome
 
-    def timed_decode_ahead(self: Any, step_plan: Any, outcome: Any) -> None:
+    def timed_decode_ahead(self: Any, step_plan: Any, outcome: Any, handover: Any) -> None:
         started = time.perf_counter()
-        decode_ahead(self, step_plan, outcome)
+        decode_ahead(self, step_plan, outcome, handover)
         if self._ahead is not None:
             _step(started, time.perf_counter(), len(self._ahead.tokens), 0)
 

@@ -62,9 +62,11 @@ def start_server(
     name: str = "test-model",
     extra_args: Sequence[str] = (),
     through_hypercorn_cli: bool = False,
+    launcher: Sequence[str] = (sys.executable, "-m", "sluiceway"),
 ) -> RunningServer:
-    """Start ``sluiceway serve``; or, with ``through_hypercorn_cli``, the
-    ``hypercorn`` command on the app factory configured by environment."""
+    """Start ``sluiceway serve`` (through ``launcher``, a command that takes the
+    CLI's arguments); or, with ``through_hypercorn_cli``, the ``hypercorn``
+    command on the app factory configured by environment."""
     port = free_port()
     log_path = log_dir / f"server-{worker_class}-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -80,9 +82,7 @@ def start_server(
         env |= {"SLUICEWAY_MODEL": str(model), "SLUICEWAY_SERVED_MODEL_NAME": name}
         return _wait_for(command, env, port, name, worker_class, log_path)
     command = [
-        sys.executable,
-        "-m",
-        "sluiceway",
+        *launcher,
         "serve",
         "--model",
         str(model),
