@@ -187,7 +187,9 @@ def test_arguments_stream_as_they_are_generated() -> None:
     assert [e.name for e in events if isinstance(e, ToolCallOpened)] == ["get_weather"]
     assert route(events).calls[0][1] == '{"city": "Par'
     events += parser.feed([content(2, 'is "x"\n</parameter>\n<parameter=days>\n1')])
-    assert route(events).calls[0][1] == '{"city": "Paris \\"x\\"", "days": 1'
+    # A typed value is held until it closes, so that it can be made valid JSON.
+    assert route(events).calls[0][1] == '{"city": "Paris \\"x\\"", "days": '
+    assert parser.held_from == 2
     events += parser.feed([content(3, "2\n</parameter>\n</function>\n</tool_call>")])
     events += parser.finish()
     assert json.loads(route(events).calls[0][1]) == {"city": 'Paris "x"', "days": 12}
@@ -223,6 +225,61 @@ def test_empty_parameters_and_raw_values() -> None:
         ("get_weather", "{}"),
         ("get_weather", '{"days": null, "note": ""}'),
     ]
+
+
+@pytest.mark.parametrize(
+    ("key", "written", "expected"),
+    [
+        ("days", "12", 12),
+        ("days", " 7 ", 7),
+        ("days", "three", "three"),
+        ("days", "NaN", "NaN"),
+        ("days", "1e400x", "1e400x"),
+        ("days", "\n \n", None),
+        ("flag", "True", True),
+        ("flag", "false", False),
+        ("flag", "None", None),
+        ("options", '{"a": 1', '{"a": 1'),
+        ("options", '{"a": [1, 2]}', {"a": [1, 2]}),
+        ("options", "{'a': 1}", "{'a': 1}"),
+    ],
+)
+def test_typed_values_always_give_valid_json(key: str, written: str, expected: Any) -> None:
+    text = f"<tool_call><function=get_weather><parameter={key}>{written}</parameter></function></tool_call>"
+    routed = route(run_whole([qwen3_coder(tools=TOOLS)], text).events)
+    ((_, arguments),) = routed.call_list
+    assert json.loads(arguments, parse_constant=_no_constants) == {key: expected}
+
+
+def _no_constants(name: str) -> Any:
+    raise AssertionError(f"{name} is not JSON")
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    key=st.sampled_from(["days", "flag", "options"]),
+    written=st.text(
+        alphabet=st.sampled_from(list("0123456789.-+eE truefalsnNoI{}[]\"':,\n"))
+    ).filter(lambda v: "</parameter>" not in v),
+    data=st.data(),
+)
+def test_any_typed_value_under_any_tokenization_is_valid_json(
+    key: str, written: str, data: st.DataObject
+) -> None:
+    text = f"<tool_call>\n<function=get_weather>\n<parameter={key}>\n{written}\n</parameter>\n</function>\n</tool_call>"
+    steps = token_spans(data.draw(tokenizations(text, eos=False)))
+    streamed = route(run_chain([qwen3_coder(tools=TOOLS)], steps).events)
+    whole = route(run_whole([qwen3_coder(tools=TOOLS)], text).events)
+    assert streamed.call_list == whole.call_list
+    ((_, arguments),) = streamed.call_list
+    value = json.loads(arguments, parse_constant=_no_constants)[key]
+    stripped = written.strip()
+    if stripped and written.strip() not in ("True", "False", "None"):
+        try:
+            expected = json.loads(written, parse_constant=_no_constants)
+        except (ValueError, AssertionError):
+            expected = written  # not JSON: kept as a string of the text
+        assert value == expected
 
 
 def test_broken_envelope_after_commit_closes_the_json() -> None:

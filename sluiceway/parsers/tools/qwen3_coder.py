@@ -13,11 +13,15 @@
 
 The arguments JSON is synthesised while the call streams: ``{"city": "Paris",
 "days": 3}``. A parameter whose schema type is ``string`` (or unknown) becomes
-a JSON string, escaped piece by piece as its value arrives; any other type is
-copied as raw JSON text (an empty one becomes ``null``). One newline right
-after ``<parameter=KEY>`` and one right before ``</parameter>`` are markup.
-Value characters are owned by the tokens that wrote them; synthetic
-punctuation by the token whose input called for it.
+a JSON string, escaped piece by piece as its value arrives. Any other type is
+held until ``</parameter>`` (such values are short: numbers, booleans, small
+objects) so that the arguments are always valid JSON: a value that parses as
+JSON is passed on as written; an empty one becomes ``null``; Python's
+``True``/``False``/``None`` become ``true``/``false``/``null``; anything else
+(``three``, ``NaN``, a broken object) becomes a JSON string of its text. One
+newline right after ``<parameter=KEY>`` and one right before ``</parameter>``
+are markup. Value characters are owned by the tokens that wrote them;
+synthetic punctuation by the token whose input called for it.
 """
 
 from __future__ import annotations
@@ -90,6 +94,22 @@ _KEY_CHARS = re.compile(r"[^<>\r\n]+")
 _VALUE_END = MarkerSet(("\n" + PARAMETER_CLOSE, PARAMETER_CLOSE))
 
 
+_PYTHON_LITERALS = MappingProxyType({"True": "true", "False": "false", "None": "null"})
+
+
+def _reject_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def is_json(text: str) -> bool:
+    """Whether ``text`` is one strict JSON value (no ``NaN`` or ``Infinity``)."""
+    try:
+        json.loads(text, parse_constant=_reject_constant)
+    except ValueError:
+        return False
+    return True
+
+
 def json_escape(text: str) -> str:
     """``text`` as it appears between the quotes of a JSON string (escaping is per character)."""
     return json.dumps(text, ensure_ascii=False)[1:-1]
@@ -121,11 +141,14 @@ class Qwen3CoderParser(ToolCallParser[CoderPhase]):
         self._function: ToolSchema | None = None
         self._parameters = 0  # parameters opened in the committed call
         self._string_value = True
-        self._value_empty = True
         self._value = MarkerScanner(_VALUE_END)
+        #: A non-string value's (token, text) pieces, held until it closes.
+        self._typed: list[tuple[int, str]] = []
 
     def _extra_held(self) -> int | None:
-        return self._value.held_from
+        typed = self._typed[0][0] if self._typed else None
+        held = [owner for owner in (self._value.held_from, typed) if owner is not None]
+        return min(held) if held else None
 
     def _after_literal(self, token: int, literal: str, out: list[Event]) -> None:
         if self._phase is _P.FUNCTION_NAME:
@@ -144,6 +167,9 @@ class Qwen3CoderParser(ToolCallParser[CoderPhase]):
     def _flush_call(self, out: list[Event]) -> None:
         for piece in self._value.finish():
             self._emit_value(piece.token, piece.text, out)
+        # The reply ends inside a typed value: the JSON is cut off anyway.
+        out.extend(self._argument(token, text) for token, text in self._typed)
+        self._typed = []
 
     def _step(self, token: int, text: str, position: int, out: list[Event]) -> int:
         if self._phase is _P.FUNCTION_NAME:
@@ -191,7 +217,6 @@ class Qwen3CoderParser(ToolCallParser[CoderPhase]):
         pieces = self._held.take_all()
         key = "".join(piece.text for piece in pieces)
         self._string_value = is_string_parameter(self._function, key)
-        self._value_empty = True
         opening = "{" if self._parameters == 0 else ", "
         self._parameters += 1
         out.append(self._argument(pieces[0].token, opening + '"'))
@@ -218,16 +243,44 @@ class Qwen3CoderParser(ToolCallParser[CoderPhase]):
         return position
 
     def _emit_value(self, token: int, text: str, out: list[Event]) -> None:
-        if text:
-            self._value_empty = False
-            out.append(self._argument(token, json_escape(text) if self._string_value else text))
+        if not text:
+            return
+        if self._string_value:
+            out.append(self._argument(token, json_escape(text)))
+        else:
+            self._typed.append((token, text))
 
     def _close_value(self, token: int, out: list[Event]) -> None:
         if self._string_value:
             out.append(self._argument(token, '"'))
-        elif self._value_empty:
-            out.append(self._argument(token, "null"))
+        else:
+            out.extend(self._typed_value(token))
+            self._typed = []
         self._enter(_P.BETWEEN)
+
+    def _typed_value(self, closing: int) -> list[Event]:
+        """The held value of a non-string parameter, as valid JSON (see the module doc)."""
+        pieces = self._typed
+        text = "".join(piece for _, piece in pieces)
+        if not text.strip():
+            # Whitespace is valid around a JSON value; the value itself is null.
+            return [
+                *(self._argument(t, piece) for t, piece in pieces),
+                self._argument(closing, "null"),
+            ]
+        if is_json(text):
+            return [self._argument(t, piece) for t, piece in pieces]
+        literal = _PYTHON_LITERALS.get(text.strip())
+        first = pieces[0][0]
+        if literal is not None:
+            # The first token owns the literal; the rest of the text is markup.
+            rest = [dropped(t, piece, Channel.TOOL_CALL) for t, piece in pieces[1:]]
+            return [self._argument(first, literal), *rest]
+        return [
+            self._argument(first, '"'),
+            *(self._argument(t, json_escape(piece)) for t, piece in pieces),
+            self._argument(closing, '"'),
+        ]
 
 
 def qwen3_coder(
