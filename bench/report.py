@@ -31,6 +31,7 @@ class Settings:
     trace: bool
     #: Extra environment for our server only (``--server-env K=V``), for experiments.
     server_env: tuple[tuple[str, str], ...] = ()
+    server_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

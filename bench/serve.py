@@ -22,6 +22,7 @@ the targets met or missed, and our pipeline's cost per streamed token.
 
     .venv/bin/python bench/serve.py [--engine transformers|mlx|both] [--quick]
         [--models large tiny] [--concurrency 1 4 16 64] [--no-peers] [--trace]
+        [--server-args='--engine-process'] [--server-env K=V ...]
         [--output bench/serve-results.md]
 
 The default run takes about 9 minutes on a 2-core host, ``--quick`` about 3.
@@ -31,7 +32,9 @@ waits for a quiet host and is repeated while other processes were busy
 
 ``--trace`` runs our server under ``bench/trace_server.py``, which times each
 scheduler step segment by segment and the CPU of each thread role, and adds
-"where the time goes" tables.
+"where the time goes" tables. The traced server keeps the engine on its
+engine thread (mlx on the CPU otherwise runs it in a child process, which
+the trace cannot see), so a traced mlx run measures that placement.
 
 mlx on Linux uses its bundled reference BLAS, which is very slow; when
 Debian's OpenBLAS is installed (``apt-get install libopenblas0-pthread``) every
@@ -48,6 +51,7 @@ import glob
 import itertools
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -155,6 +159,7 @@ def server_command(
             *("serve", "--model", str(model), "--engine", engine),
             *("--port", str(port), "--max-num-seqs", str(max(settings.concurrency))),
             *("--log-level", "warning", "--worker-class", settings.worker_class),
+            *settings.server_args,
         ]
     if server == "mlx_lm.server":
         return [
@@ -471,6 +476,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         metavar="K=V",
         help="environment for our server only (the bare engine and peers do not get it)",
     )
+    parser.add_argument(
+        "--server-args",
+        default="",
+        metavar="'FLAGS'",
+        help="extra flags for our server only, given with '=': --server-args='--engine-process'",
+    )
     parser.add_argument("--output", type=Path, default=HERE / "serve-results.md")
     args = parser.parse_args(argv)
 
@@ -489,6 +500,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         retries=args.retries,
         trace=args.trace,
         server_env=tuple(tuple(item.split("=", 1)) for item in args.server_env),  # type: ignore[misc]
+        server_args=tuple(shlex.split(args.server_args)),
     )
     engines = ["transformers", "mlx"] if args.engine == "both" else [args.engine]
     started = time.perf_counter()
@@ -541,6 +553,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"warm-up. Host: {os.cpu_count()} CPUs; {mlx_note}; Hypercorn worker "
         f"{settings.worker_class}. Run took {elapsed / 60:.1f} min."
     )
+    if settings.trace and "mlx" in engines and "--engine-process" not in settings.server_args:
+        header += " Traced: our mlx engine ran on the server's engine thread, not its default child process."
+    if settings.server_args or settings.server_env:
+        extra = [*settings.server_args, *(f"{k}={v}" for k, v in settings.server_env)]
+        header += f" Our server ran with `{' '.join(extra)}`."
     text = render(sections, settings, header)
     print("\n" + text)
     args.output.parent.mkdir(parents=True, exist_ok=True)

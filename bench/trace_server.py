@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/trace_server.py TRACE.json serve --model DIR ...
 
+The engine runs on the server's engine thread, even where its default is a
+child process (mlx on the CPU), since the wrappers only see this process.
 Runs the ordinary CLI after wrapping, without changing them, the engine
 thread's step (``execute``: free, prefill, batched decode; and the greedy
 decode run ahead of the plan) and the sampler's step, and writes every call's start and end
@@ -207,6 +209,10 @@ def thread_roles(trace: dict[str, Any], pid: int, ticks: dict[int, int]) -> dict
 
 def main(argv: Sequence[str]) -> int:
     out, *rest = argv
+    if "--engine-process" not in rest:
+        # The wrappers live in this process: an engine in a child process
+        # (mlx's default on the CPU) would run untraced.
+        rest.append("--no-engine-process")
     install()
     from sluiceway.server.cli import main as cli_main
 

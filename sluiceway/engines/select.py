@@ -37,13 +37,27 @@ def choose_engine(choice: str) -> str:
     return "mlx"
 
 
+def in_child_process_by_default(name: str) -> bool:
+    """Whether engine ``name`` runs in a child process unless told otherwise.
+
+    mlx on the CPU does: its engine thread builds each step's graph in Python,
+    so on the engine thread it contends for the GIL with the event loop; in a
+    child process, on a 2-core host, the large benchmark model decoded 5-13%
+    faster at concurrency 1 to 16 (bench/serve.py, interleaved rounds). The
+    transformers engine measured the same either way, so it keeps the thread,
+    and mlx on Metal is unmeasured, so it keeps the thread too.
+    """
+    return name == "mlx" and not _metal_available()
+
+
 def make_engine(choice: str, source: ModelSource, *, device: str, dtype: str) -> Engine:
-    """Build the engine ``choice`` names (after :func:`choose_engine`) for ``source``.
+    """Build the engine ``choice`` names for ``source`` (``auto`` is resolved
+    by :func:`choose_engine`; a resolved name is not logged again).
 
     ``device`` and ``dtype`` apply to transformers; mlx picks its own device
     (Metal if present) and runs the checkpoint's dtype.
     """
-    name = choose_engine(choice)
+    name = choice if choice in ("mlx", "transformers") else choose_engine(choice)
     if name == "transformers":
         from sluiceway.engines.torch_engine import TransformersEngine
 

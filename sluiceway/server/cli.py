@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         "device": "device of the transformers engine (auto: cuda if available)",
         "dtype": "weights dtype of the transformers engine (auto: the checkpoint's)",
         "engine_process": "run the engine in a child process with an interpreter (and GIL) "
-        "of its own, instead of on a thread of the server's process",
+        "of its own, instead of on a thread of the server's process (default: a child "
+        "process for mlx on the CPU, the thread otherwise)",
         "worker_class": "Hypercorn worker class",
         "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
         "max_body_bytes": "largest request body accepted (413 beyond)",
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         options: dict[str, Any] = {"help": helps.get(spec.name, ""), "default": default}
         if spec.name in CHOICES:
             options["choices"] = CHOICES[spec.name]
-        if isinstance(default, bool):
+        if isinstance(default, bool) or str(spec.type).startswith("bool"):
             options["action"] = argparse.BooleanOptionalAction
         elif isinstance(default, int):
             options["type"] = int

@@ -40,7 +40,8 @@ class ServerConfig:
     engine: Literal["auto", "mlx", "transformers"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    engine_process: bool = False
+    #: None: a child process for mlx on the CPU, the engine thread otherwise.
+    engine_process: bool | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     worker_class: WorkerClass = "asyncio"

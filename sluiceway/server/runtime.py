@@ -27,7 +27,7 @@ from sluiceway.actors.scheduler import Scheduler, SchedulerConfig, SchedulerHand
 from sluiceway.engines.base import Engine
 from sluiceway.engines.default_model import default_model_dir
 from sluiceway.engines.loader import ModelSource, resolve_model
-from sluiceway.engines.select import make_engine
+from sluiceway.engines.select import choose_engine, in_child_process_by_default, make_engine
 from sluiceway.engines.tokenizer import ModelTokenizer
 from sluiceway.protocol.messages import LogitsStep, SampledStep
 from sluiceway.server.config import LOG_FORMAT, ServerConfig
@@ -83,10 +83,15 @@ def _load(config: ServerConfig, thread: EngineThread) -> LoadedModel:
 
 
 def _start_engine(config: ServerConfig, source: ModelSource) -> Engine:
-    if not config.engine_process:
-        return make_engine(config.engine, source, device=config.device, dtype=config.dtype)
+    name = choose_engine(config.engine)
+    in_child = config.engine_process
+    if in_child is None:
+        in_child = in_child_process_by_default(name)
+    if not in_child:
+        return make_engine(name, source, device=config.device, dtype=config.dtype)
+    logger.info("the engine runs in a child process")
     spec = EngineSpec(
-        choice=config.engine,
+        choice=name,
         source=source,
         device=config.device,
         dtype=config.dtype,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.e2e import schemas
-from tests.e2e.harness import RunningServer, serving
+from tests.e2e.harness import RunningServer, serving, start_server
 
 LONG_PROMPT = [{"role": "user", "content": "Tell me everything about the rivers of Europe. " * 3}]
 
@@ -180,36 +180,62 @@ def test_full_queue_answers_429_and_waiting_streams_keep_alive(tight_server: Run
     )
 
 
+CHILD_LOG_LINE = "the engine runs in a child process"
+
+
 @pytest.fixture(scope="module")
-def process_server(
+def other_placement(
     default_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningServer]:
-    """The engine in a child process (``--engine-process``)."""
+) -> Iterator[Callable[[str], RunningServer]]:
+    """Per engine, a server whose engine runs where that engine's default does
+    not: in a child process for transformers, on a thread for mlx (on the CPU)."""
     logs = tmp_path_factory.mktemp("logs")
-    with serving(default_model, logs, "--engine", "transformers", "--engine-process") as running:
-        yield running
+    started: dict[str, RunningServer] = {}
+
+    def other(engine: str) -> RunningServer:
+        if engine not in started:
+            flag = "--engine-process" if engine == "transformers" else "--no-engine-process"
+            started[engine] = start_server(
+                default_model,
+                worker_class="asyncio",
+                log_dir=logs,
+                extra_args=["--engine", engine, flag],
+            )
+        return started[engine]
+
+    try:
+        yield other
+    finally:
+        for running in started.values():
+            running.stop()
 
 
 def test_engine_in_a_child_process_replies_the_same(
-    server: RunningServer, process_server: RunningServer
+    server: RunningServer, other_placement: Callable[[str], RunningServer]
 ) -> None:
     """Greedy and seeded replies, with logprobs, batched or not, match the
-    engine on a thread; and the child's scheduler goes idle afterwards."""
-    if server.engine != "transformers":
-        pytest.skip("compared against the transformers engine")
+    engine on a thread; and the child's scheduler goes idle afterwards. By
+    default mlx (on the CPU) runs in a child process and transformers does not."""
+    other = other_placement(server.engine)
+    thread_server, process_server = (
+        (server, other) if server.engine == "transformers" else (other, server)
+    )
+    assert CHILD_LOG_LINE in process_server.log()
+    assert CHILD_LOG_LINE not in thread_server.log()
     payloads = [
         {
             **body(s, "Where does the Danube flow?", max_tokens=24),
             "logprobs": True,
             "top_logprobs": 2,
         }
-        for s in (server, process_server)
+        for s in (thread_server, process_server)
     ]
     seeded = [
-        body(s, "Sing", max_tokens=16, temperature=1.0, seed=7) for s in (server, process_server)
+        body(s, "Sing", max_tokens=16, temperature=1.0, seed=7)
+        for s in (thread_server, process_server)
     ]
     replies = []
-    for s, payload in zip((server, process_server), payloads, strict=True):
+    for s, payload in zip((thread_server, process_server), payloads, strict=True):
         response = httpx.post(s.api_url + "/chat/completions", json=payload, timeout=120)
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]
@@ -221,7 +247,7 @@ def test_engine_in_a_child_process_replies_the_same(
         assert abs(mine["logprob"] - theirs["logprob"]) < 1e-4
     batch = [body(process_server, "x" * (5 * i + 1), max_tokens=8 + 3 * i) for i in range(4)]
     together = anyio.run(concurrently, process_server, [*batch[:2], seeded[1], *batch[2:]])
-    assert together[2] == reply_text(server, seeded[0])
+    assert together[2] == reply_text(thread_server, seeded[0])
     health = httpx.get(process_server.base_url + "/health", timeout=10).json()
     assert health["scheduler"] == {
         "running_requests": 0,

@@ -10,7 +10,7 @@ import torch
 
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.mlx_engine import MlxEngine
-from sluiceway.engines.select import choose_engine, make_engine
+from sluiceway.engines.select import choose_engine, in_child_process_by_default, make_engine
 from sluiceway.engines.torch_engine import TransformersEngine, resolve_device, resolve_dtype
 from tests.engines.helpers import greedy_alone
 
@@ -23,6 +23,13 @@ def test_auto_prefers_torch_on_a_cpu_only_linux_host(caplog: pytest.LogCaptureFi
     with caplog.at_level(logging.INFO, logger="sluiceway.engines.select"):
         assert choose_engine("auto") == "transformers"
     assert "auto" in caplog.text
+
+
+def test_only_mlx_on_the_cpu_runs_in_a_child_process_by_default() -> None:
+    import mlx.core as mx
+
+    assert not in_child_process_by_default("transformers")
+    assert in_child_process_by_default("mlx") is not mx.metal.is_available()
 
 
 def test_explicit_choices_are_kept_and_unknown_ones_refused() -> None:

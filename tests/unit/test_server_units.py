@@ -53,6 +53,26 @@ def test_every_config_field_has_a_flag() -> None:
     assert args.worker_class == "asyncio"
 
 
+@pytest.mark.parametrize(
+    ("flags", "environ", "expected"),
+    [
+        ([], {}, None),
+        (["--engine-process"], {}, True),
+        (["--no-engine-process"], {}, False),
+        ([], {"SLUICEWAY_ENGINE_PROCESS": "off"}, False),
+        ([], {"SLUICEWAY_ENGINE_PROCESS": "1"}, True),
+    ],
+)
+def test_engine_process_is_on_off_or_left_to_the_engine(
+    flags: list[str], environ: dict[str, str], expected: bool | None
+) -> None:
+    if flags:
+        assert build_parser().parse_args(["serve", *flags]).engine_process is expected
+    else:
+        assert build_parser().parse_args(["serve"]).engine_process is None
+        assert ServerConfig.from_env(environ).engine_process is expected
+
+
 async def _noop(*_: Any) -> None:
     return None
 
