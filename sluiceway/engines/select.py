@@ -41,11 +41,12 @@ def in_child_process_by_default(name: str) -> bool:
     """Whether engine ``name`` runs in a child process unless told otherwise.
 
     mlx on the CPU does: its engine thread builds each step's graph in Python,
-    so on the engine thread it contends for the GIL with the event loop; in a
-    child process, on a 2-core host, the large benchmark model decoded 5-13%
-    faster at concurrency 1 to 16 (bench/serve.py, interleaved rounds). The
-    transformers engine measured the same either way, so it keeps the thread,
-    and mlx on Metal is unmeasured, so it keeps the thread too.
+    so on the engine thread it contends for the GIL with the event loop. In a
+    child process, on a 2-core host, the large benchmark model kept 0.93-0.95
+    of the bare decode rate at concurrency 1 instead of 0.84-0.88, and gained
+    at 4 and 16 too (docs/architecture.md). The transformers engine measured
+    the same either way, so it keeps the thread; mlx on Metal is unmeasured,
+    so it keeps the thread too.
     """
     return name == "mlx" and not _metal_available()
 
