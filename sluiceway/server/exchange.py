@@ -13,8 +13,8 @@ told to drop the requests, which frees their slots within one step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import closing
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager, closing
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -163,6 +163,25 @@ def _cancel_jobs(
         tokens.close()  # the output tasks close theirs too; closing twice is harmless
 
 
+@asynccontextmanager
+async def _exchange(
+    receive: Receive, scheduler: Submitter, jobs: Sequence[Job]
+) -> AsyncIterator[_Events]:
+    """Submit the jobs and yield their events, in a task group that a client
+    disconnect cancels (the body under this context is then cut short, and
+    the context exits quietly). Whatever ends, the requests are dropped."""
+    streams = _submit_all(scheduler, jobs)
+    try:
+        async with anyio.create_task_group() as group:
+            events = _start_events(group, scheduler, jobs, streams)
+            group.start_soon(_cancel_on_disconnect, receive, group.cancel_scope)
+            with closing(events):
+                yield events
+            group.cancel_scope.cancel()
+    finally:
+        _cancel_jobs(scheduler, jobs, streams)
+
+
 async def stream_reply(
     receive: Receive,
     send: Send,
@@ -176,19 +195,11 @@ async def stream_reply(
     The encoder runs in this task: output events are framed and written as
     they arrive, and events already waiting go out in one write.
     """
-    streams = _submit_all(scheduler, jobs)
-    try:
-        async with anyio.create_task_group() as group:
-            events = _start_events(group, scheduler, jobs, streams)
-            group.start_soon(_cancel_on_disconnect, receive, group.cancel_scope)
-            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            await _body(send, encoder.start())
-            with closing(events):
-                await _relay(events, send, encoder, keepalive_seconds)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            group.cancel_scope.cancel()
-    finally:
-        _cancel_jobs(scheduler, jobs, streams)
+    async with _exchange(receive, scheduler, jobs) as events:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        await _body(send, encoder.start())
+        await _relay(events, send, encoder, keepalive_seconds)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _body(send: Send, frame: bytes) -> None:
@@ -236,22 +247,14 @@ async def collect_reply(
 
     Returns False when the client disconnected first.
     """
-    streams = _submit_all(scheduler, jobs)
     finished = False
-    try:
-        async with anyio.create_task_group() as group:
-            events = _start_events(group, scheduler, jobs, streams)
-            group.start_soon(_cancel_on_disconnect, receive, group.cancel_scope)
-            with closing(events):
-                while True:
-                    try:
-                        ready = await events.next()
-                    except anyio.EndOfStream:
-                        break
-                    for event in ready:
-                        collect(event)
-            finished = True
-            group.cancel_scope.cancel()
-    finally:
-        _cancel_jobs(scheduler, jobs, streams)
+    async with _exchange(receive, scheduler, jobs) as events:
+        while True:
+            try:
+                ready = await events.next()
+            except anyio.EndOfStream:
+                break
+            for event in ready:
+                collect(event)
+        finished = True
     return finished
