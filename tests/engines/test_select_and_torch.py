@@ -11,7 +11,15 @@ import torch
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.mlx_engine import MlxEngine
 from sluiceway.engines.select import choose_engine, in_child_process_by_default, make_engine
-from sluiceway.engines.torch_engine import TransformersEngine, resolve_device, resolve_dtype
+from sluiceway.engines.torch_engine import (
+    KVRows,
+    LayerLayout,
+    TransformersEngine,
+    _attention,
+    _full_attention_only,
+    resolve_device,
+    resolve_dtype,
+)
 from tests.engines.helpers import greedy_alone
 
 
@@ -104,3 +112,51 @@ def test_torch_engine_refuses_to_overwrite_a_slot(tiny_model: ModelSource) -> No
     with pytest.raises(ValueError, match="at least one slot"):
         engine.decode({})
     assert sorted(engine.decode({0: 4, 1: 5}).slots) == [0, 1]
+
+
+def test_only_full_attention_models_get_ready_decode_masks() -> None:
+    from transformers import Gemma2Config, MistralConfig, Qwen3Config
+
+    assert _full_attention_only(Qwen3Config())
+    assert not _full_attention_only(MistralConfig())  # sliding_window, no layer_types
+    assert not _full_attention_only(Gemma2Config())  # sliding layers among full ones
+    layouts = [LayerLayout(keys=(2, 4), values=(2, 4), dtype=torch.float32)]
+    for ready, dims in ((True, 4), (False, 2)):
+        rows = KVRows(layouts, torch.device("cpu"), ready_masks=ready)
+        rows.open_row()
+        rows.advance(1)
+        rows.open_row()  # an empty row beside a one-token row: padding
+        _, mask = rows.inputs(1)
+        assert mask is not None
+        assert mask.dim() == dims
+        _, longer = rows.inputs(3)  # only decode steps get the 4D mask
+        assert longer is not None
+        assert longer.dim() == 2
+
+
+def test_masked_decode_attention_matches_transformers_sdpa() -> None:
+    """The grouped-query kernel with a padding mask, against the query-folding
+    path transformers takes: the same attention within float32 rounding."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    generator = torch.Generator().manual_seed(0)
+    rows, heads, groups, window, dim = 5, 8, 4, 37, 16
+    query = torch.randn(rows, heads, 1, dim, generator=generator)
+    keys = torch.randn(rows, heads // groups, window, dim, generator=generator)
+    values = torch.randn(rows, heads // groups, window, dim, generator=generator)
+    first = torch.tensor([0, 3, 36, 10, 1])
+    mask = torch.zeros(rows, 1, 1, window)
+    mask.masked_fill_(torch.arange(window)[None, None, None, :] < first[:, None, None, None], -1e9)
+    module = torch.nn.Module()
+    module.num_key_value_groups = groups  # type: ignore[assignment]
+    module.is_causal = True  # type: ignore[assignment]
+    for given in (mask, None):
+        ours, _ = _attention(module, query, keys, values, given, scaling=0.25)
+        theirs, _ = sdpa_attention_forward(module, query, keys, values, given, scaling=0.25)
+        assert ours.shape == theirs.shape == (rows, 1, heads, dim)
+        assert torch.allclose(ours, theirs, atol=1e-5)
+
+
+def test_the_cpu_engine_uses_its_own_attention(tiny_model: ModelSource) -> None:
+    engine = TransformersEngine(tiny_model, device="cpu", dtype="float32")
+    assert engine._model.config._attn_implementation == "sluiceway_sdpa"
