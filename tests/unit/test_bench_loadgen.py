@@ -1,0 +1,139 @@
+"""The benchmark's load generator parses HTTP and SSE itself (to keep its
+CPU off the server under test); these check it against each framing the
+servers it measures use."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+
+from loadgen import Level, Target, run_level
+
+
+def _sse(tokens: int, *, crlf: bool = False) -> list[bytes]:
+    """A streamed completion of ``tokens`` chunks, usage, [DONE], as SSE events
+    (with a keepalive comment first)."""
+    events = [b": keepalive\n\n"]
+    for i in range(tokens):
+        chunk = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
+        events.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    final = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": tokens}}
+    events += [b"data: " + json.dumps(final).encode() + b"\n\n"]
+    events += [b"data: " + json.dumps(usage).encode() + b"\n\n", b"data: [DONE]\n\n"]
+    return [e.replace(b"\n", b"\r\n") for e in events] if crlf else events
+
+
+Respond = Callable[[asyncio.StreamWriter], Awaitable[bool]]
+
+
+async def _serve(respond: Respond, requests: int, concurrency: int = 1) -> tuple[Level, int]:
+    """Run ``requests`` streamed requests against a stub server; returns the
+    level and how many connections the server accepted."""
+    accepted = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
+            if not head:
+                break
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            )
+            body = json.loads(await reader.readexactly(length))
+            assert body["stream"] is True
+            if not await respond(writer):
+                writer.close()
+                return
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    prompts = (f"prompt {i}" for i in itertools.count())
+    async with server:
+        level = await run_level(
+            Target(f"http://127.0.0.1:{port}", "m"),
+            prompts,
+            concurrency=concurrency,
+            requests_per_client=requests,
+            max_tokens=5,
+            request_timeout=10,
+        )
+    return level, accepted
+
+
+def test_chunked_keep_alive_stream_split_anywhere() -> None:
+    async def chunked(writer: asyncio.StreamWriter) -> bool:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        data = b"".join(_sse(5, crlf=True))
+        # Chunks of 7 bytes: events and lines are split across chunks.
+        for i in range(0, len(data), 7):
+            piece = data[i : i + 7]
+            writer.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    level, accepted = asyncio.run(_serve(chunked, requests=3))
+    assert level.errors == 0, level.first_errors()
+    assert [s.tokens for s in level.samples] == [5, 5, 5]
+    assert all(len(s.arrivals) == 5 and s.prompt_tokens == 3 for s in level.samples)
+    assert accepted == 1  # one keep-alive connection for all three
+
+
+def test_close_delimited_http10_reconnects_for_each_request() -> None:
+    async def http10(writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+        writer.write(b"".join(_sse(5)))
+        await writer.drain()
+        return False  # the server closes: the end of the body
+
+    level, accepted = asyncio.run(_serve(http10, requests=2, concurrency=2))
+    assert level.errors == 0, level.first_errors()
+    assert [s.tokens for s in level.samples] == [5, 5, 5, 5]
+    assert accepted == 4
+    assert level.retries == 0
+
+
+def test_an_error_status_and_a_short_stream_are_errors() -> None:
+    replies = iter(["error", "short"])
+
+    async def respond(writer: asyncio.StreamWriter) -> bool:
+        if next(replies) == "error":
+            body = b'{"error": {"message": "no"}}'
+            writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: %d\r\n\r\n" % len(body))
+            writer.write(body)
+            return True
+        data = b"".join(_sse(3))  # 3 tokens where max_tokens 5 and ignore_eos were asked
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(data) + data)
+        return True
+
+    level, _ = asyncio.run(_serve(respond, requests=2))
+    first, second = (s.error or "" for s in level.samples)
+    assert first.startswith("HTTP 400: ")
+    assert '"no"' in first
+    assert "3 tokens, not max_tokens=5" in second
+
+
+def test_a_connection_closed_before_any_answer_is_retried_then_failed() -> None:
+    async def hang_up(writer: asyncio.StreamWriter) -> bool:
+        return False
+
+    level, accepted = asyncio.run(_serve(hang_up, requests=1))
+    (sample,) = level.samples
+    assert sample.retries == 2
+    assert sample.error is not None
+    assert "closed the connection" in sample.error
+    assert accepted == 3
