@@ -9,6 +9,8 @@ prints decode tokens/s at several batch sizes for
 * ``engine``: ``TransformersEngine`` on the same rows (argmax in NumPy on the
   returned logits, as the sampler sees them);
 * ``ragged``: the engine on rows of different lengths (the padding-mask path);
+* ``staggered``: the engine on rows one token apart (every other row one token
+  shorter), as a wave of requests admitted over two steps decodes;
 * ``mlx``: ``MlxEngine`` (on Linux, the mlx CPU backend).
 
 Only decode steps are timed (prefill is excluded). The loops take turns step
@@ -40,9 +42,13 @@ PROMPT = 64  # tokens per row; ragged rows are PROMPT/4 .. 2*PROMPT-1
 WARMUP = 2
 
 
-def prompts(batch: int, *, ragged: bool, length: int = PROMPT) -> list[list[int]]:
+def prompts(
+    batch: int, *, ragged: bool, length: int = PROMPT, staggered: bool = False
+) -> list[list[int]]:
     rng = np.random.default_rng(batch)
     lengths = rng.integers(length // 4, length * 2, batch) if ragged else [length] * batch
+    if staggered:
+        lengths = [length - row % 2 for row in range(batch)]
     return [[int(t) for t in rng.integers(0, 500, int(n))] for n in lengths]
 
 
@@ -69,13 +75,11 @@ def bare_loop(model: Any, batch: int, prompt: int) -> tuple[Step, Callable[[], N
 
 
 def engine_loop(
-    engine: Engine, batch: int, prompt: int, *, ragged: bool
+    engine: Engine, batch: int, prompt: int, *, ragged: bool, staggered: bool = False
 ) -> tuple[Step, Callable[[], None]]:
     """An engine decoding ``batch`` rows, argmax in NumPy (what the sampler sees)."""
-    tokens = {
-        slot: int(np.argmax(engine.prefill(slot, row)[-1]))
-        for slot, row in enumerate(prompts(batch, ragged=ragged, length=prompt))
-    }
+    rows = prompts(batch, ragged=ragged, length=prompt, staggered=staggered)
+    tokens = {slot: int(np.argmax(engine.prefill(slot, row)[-1])) for slot, row in enumerate(rows)}
 
     def step() -> None:
         result = engine.decode(tokens)
@@ -143,8 +147,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # The engine sets torch's thread count for the process, so the bare loop
     # below runs with the same threads.
     engine = TransformersEngine(source, device="cpu", dtype="float32")
-    # A second engine: an engine decodes all its running rows in every step.
+    # More engines: an engine decodes all its running rows in every step.
     ragged = TransformersEngine(source, device="cpu", dtype="float32")
+    staggered = TransformersEngine(source, device="cpu", dtype="float32")
     bare: Any = AutoModelForCausalLM.from_pretrained(
         str(source.path), local_files_only=True, dtype=torch.float32
     )
@@ -156,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"(ragged: {args.prompt // 4}-{args.prompt * 2 - 1}), {args.steps} interleaved steps per loop, "
         f"torch threads {threads}"
     )
-    header = ["batch", "bare", "engine", "engine/bare", "ragged", "ragged/bare", "mlx"]
+    header = ["batch", "bare", "engine", "engine/bare", "ragged", "ragged/bare"]
+    header += ["staggered", "stag./bare", "mlx"]
     if threads == 1:
         header.append("cpu e/b")  # the same ratio in thread CPU time
     print("tokens/s (batch over the lower-quartile step time)")
@@ -166,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "bare": bare_loop(bare, batch, args.prompt),
             "engine": engine_loop(engine, batch, args.prompt, ragged=False),
             "ragged": engine_loop(ragged, batch, args.prompt, ragged=True),
+            "staggered": engine_loop(staggered, batch, args.prompt, ragged=False, staggered=True),
         }
         if mlx is not None:
             loops["mlx"] = engine_loop(mlx, batch, args.prompt, ragged=False)
@@ -180,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{rate['engine'] / rate['bare']:.3f}",
             f"{rate['ragged']:.1f}",
             f"{rate['ragged'] / rate['bare']:.3f}",
+            f"{rate['staggered']:.1f}",
+            f"{rate['staggered'] / rate['bare']:.3f}",
             f"{rate['mlx']:.1f}" if "mlx" in rate else "-",
         ]
         if threads == 1:

@@ -108,41 +108,42 @@ class Connection:
         parts = urlsplit(base_url)
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or 80
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def post(self, path: str, payload: bytes) -> Reply:
         """Send a JSON POST and read the status line and headers."""
-        if self._reader is None or self._reader.at_eof():
+        streams = self._streams
+        if streams is None or streams[0].at_eof():
             self.close()
-            self._reader, self._writer = await asyncio.wait_for(
+            streams = self._streams = await asyncio.wait_for(
                 asyncio.open_connection(self.host, self.port), CONNECT_TIMEOUT
             )
-        assert self._writer is not None
+        reader, writer = streams
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
             "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
             f"Content-Length: {len(payload)}\r\n\r\n"
         )
-        self._writer.write(head.encode() + payload)
-        status_line = await self._reader.readline()
+        writer.write(head.encode() + payload)
+        status_line = await reader.readline()
         if not status_line:
             self.close()
             raise ConnectionResetError("the server closed the connection before answering")
-        version, status, *_ = [*status_line.decode("latin-1").split(" ", 2), ""]
+        fields = status_line.decode("latin-1").split(" ", 2)
+        version, status = fields[0], fields[1] if len(fields) > 1 else ""
         if not version.startswith("HTTP/") or not status.isdigit():
             raise HttpError(f"bad status line {status_line[:80]!r}")
         headers: dict[str, str] = {}
-        while (line := await self._reader.readline()).strip():
+        while (line := await reader.readline()).strip():
             name, _, value = line.decode("latin-1").partition(":")
             headers[name.strip().lower()] = value.strip()
         keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
-        return Reply(int(status), headers, self._reader, self if keep else None, self)
+        return Reply(int(status), headers, reader, self if keep else None, self)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        self._reader = self._writer = None
+        if self._streams is not None:
+            self._streams[1].close()
+        self._streams = None
 
 
 @dataclass(slots=True)

@@ -32,6 +32,9 @@ class Settings:
     #: Extra environment for our server only (``--server-env K=V``), for experiments.
     server_env: tuple[tuple[str, str], ...] = ()
     server_args: tuple[str, ...] = ()
+    #: Rounds of (bare, our level, bare) at each concurrency the bare engine
+    #: has a batch size for; the round with the median ratio is reported.
+    paired_rounds: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,8 @@ class ServerRun:
     #: and seconds per step, the mean of the two), for the levels it has a batch for.
     paired_bare: dict[int, float] = field(default_factory=dict)
     paired_step: dict[int, float] = field(default_factory=dict)
+    #: Decode ÷ bare of every paired round, in the order they ran.
+    paired_ratios: dict[int, list[float]] = field(default_factory=dict)
     #: With --trace: per level, where the server's time went, and its CPU by thread role.
     traces: list[Summary | None] = field(default_factory=list)
     thread_cpu: list[dict[str, float]] = field(default_factory=list)
@@ -96,8 +101,8 @@ def verdict(ok: bool) -> str:
 def section_table(section: Section, settings: Settings) -> list[str]:
     lines = [f"### {section.engine} engine, {section.model.key} model ({section.model.label})", ""]
     if section.bare:
-        bare = ", ".join(f"batch {b}: **{r:.1f}** tok/s" for b, r in section.bare.items())
-        lines += [f"Bare engine (plain decode loop, no server): {bare}.", ""]
+        cells = ", ".join(f"batch {b}: **{r:.1f}** tok/s" for b, r in section.bare.items())
+        lines += [f"Bare engine (plain decode loop, no server): {cells}.", ""]
     elif section.bare_failure:
         lines += [f"Bare engine failed: `{section.bare_failure[-200:]}`", ""]
     lines += [
@@ -124,6 +129,12 @@ def section_table(section: Section, settings: Settings) -> list[str]:
             )
     lines.append("")
     for run in section.runs:
+        if any(len(ratios) > 1 for ratios in run.paired_ratios.values()):
+            rounds = "; ".join(
+                f"c={c}: {', '.join(f'{r:.3f}' for r in ratios)}"
+                for c, ratios in run.paired_ratios.items()
+            )
+            lines.append(f"- {run.server}, decode ÷ bare of each paired round: {rounds}")
         if run.note or run.failure:
             lines.append(f"- {run.server}: {run.failure or ''} {run.note}".rstrip())
         errors = [e for level in run.levels for e in level.first_errors()]

@@ -9,6 +9,9 @@ One command builds (once, cached) the models, then for each engine:
   greedy, every prompt exactly ``--prompt-tokens`` tokens with the model's
   tokenizer (each request its own prompt), ``max_tokens`` fixed with
   ``ignore_eos``, at concurrency 1, 4, 16, 64, after a warm-up;
+  each of those levels runs ``--paired-rounds`` times (3), each round between
+  two measurements of the bare engine at the same batch size, and the round
+  with the median ratio to the bare engine is reported (all ratios are listed);
 * the **peer** on the same model, load and prompts: ``mlx_lm.server`` against
   our mlx engine, ``transformers serve --continuous-batching`` against our
   transformers engine (run from a separate venv under /tmp, created on first
@@ -294,19 +297,15 @@ def run_server(
         asyncio.run(warm_up(target, prompts, settings))
         for concurrency in settings.concurrency:
             paired = bare if server == OURS and concurrency in BARE_BATCHES else None
-            before = paired.measure(concurrency) if paired else None
-            level, other, client, ticks = measure_level(
-                server, target, prompts, concurrency, settings, process.pid
-            )
-            if paired is not None and before is not None:
-                after = paired.measure(concurrency)
-                run.paired_bare[concurrency] = (before[0] + after[0]) / 2
-                run.paired_step[concurrency] = (before[1] + after[1]) / 2
-                print(
-                    f"  {'bare engine':>18} c={concurrency:<3} {before[0]:8.1f} tok/s before, "
-                    f"{after[0]:.1f} after",
-                    flush=True,
+            if paired is None:
+                measured = measure_level(
+                    server, target, prompts, concurrency, settings, process.pid
                 )
+            else:
+                measured = measure_paired(
+                    run, paired, target, prompts, concurrency, settings, process.pid
+                )
+            level, other, client, ticks = measured
             run.levels.append(level)
             run.other_cpu.append(other)
             run.client_cpu.append(client)
@@ -353,6 +352,11 @@ def read_trace(run: ServerRun, path: str, pid: int) -> None:
         run.thread_cpu.append({role: t / hz / level.wall for role, t in grouped.items()})
 
 
+#: A level, the cores other processes used, the load generator's cores, and
+#: the server's CPU ticks per thread (with --trace).
+Measured = tuple[Level, float, float, dict[int, int]]
+
+
 def measure_level(
     server: str,
     target: Target,
@@ -360,12 +364,12 @@ def measure_level(
     concurrency: int,
     settings: Settings,
     pid: int,
-) -> tuple[Level, float, float, dict[int, int]]:
+) -> Measured:
     """One concurrency level on a quiet host; repeated while others were busy
     during it (the attempt with the least other load is kept). Returns the
     level, the cores others used, the cores the load generator used, and the
     server's CPU ticks per thread (with --trace)."""
-    best: tuple[Level, float, float, dict[int, int]] | None = None
+    best: Measured | None = None
     for _ in range(settings.retries + 1):
         wait_quiet(settings.busy)
         before = thread_ticks(pid) if settings.trace else {}
@@ -391,6 +395,39 @@ def measure_level(
             break
     assert best is not None
     return best
+
+
+def measure_paired(
+    run: ServerRun,
+    bare: BareEngine,
+    target: Target,
+    prompts: Iterator[str],
+    concurrency: int,
+    settings: Settings,
+    pid: int,
+) -> Measured:
+    """``settings.paired_rounds`` rounds of: the bare engine, our level, the
+    bare engine again. Each round's ratio is our decode rate over the mean of
+    the two bare rates around it, so that a drift of the host hits both
+    sides; the round with the median ratio is the one reported (with an even
+    count, the lower of the two middle ones)."""
+    rounds = []
+    for _ in range(settings.paired_rounds):
+        before = bare.measure(concurrency)
+        measured = measure_level(OURS, target, prompts, concurrency, settings, pid)
+        after = bare.measure(concurrency)
+        rate, step = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
+        ratio = measured[0].decode_throughput / rate
+        print(
+            f"  {'bare engine':>18} c={concurrency:<3} {before[0]:8.1f} tok/s before, "
+            f"{after[0]:.1f} after: decode ÷ bare {ratio:.3f}",
+            flush=True,
+        )
+        rounds.append((ratio, rate, step, measured))
+    run.paired_ratios[concurrency] = [ratio for ratio, *_ in rounds]
+    _, rate, step, measured = sorted(rounds, key=lambda r: r[0])[(len(rounds) - 1) // 2]
+    run.paired_bare[concurrency], run.paired_step[concurrency] = rate, step
+    return measured
 
 
 async def warm_up(target: Target, prompts: Iterator[str], settings: Settings) -> None:
@@ -438,7 +475,10 @@ def make_model(key: str, settings: Settings, prompts_needed: int) -> Model:
 def prompts_per_server(settings: Settings) -> int:
     """Enough prompts that none repeats within one server's run, retries included."""
     warm = 1 + max(settings.concurrency)
-    measured = sum(c * settings.requests_per_client[c] for c in settings.concurrency)
+    measured = sum(
+        c * settings.requests_per_client[c] * (settings.paired_rounds if c in BARE_BATCHES else 1)
+        for c in settings.concurrency
+    )
     return warm + measured * (1 + settings.retries)
 
 
@@ -464,6 +504,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="other processes' CPU (cores) above which a measurement waits and is repeated",
     )
     parser.add_argument("--retries", type=int, default=2, help="repeats of a busy measurement")
+    parser.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=3,
+        help="rounds of bare engine / our level / bare engine at concurrency 1, 4, 16 "
+        "(the median round is reported)",
+    )
     parser.add_argument(
         "--trace",
         action="store_true",
@@ -501,6 +548,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         trace=args.trace,
         server_env=tuple(tuple(item.split("=", 1)) for item in args.server_env),  # type: ignore[misc]
         server_args=tuple(shlex.split(args.server_args)),
+        paired_rounds=1 if args.quick else max(1, args.paired_rounds),
     )
     engines = ["transformers", "mlx"] if args.engine == "both" else [args.engine]
     started = time.perf_counter()
@@ -550,7 +598,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"(`ignore_eos` sent to sluiceway; the peers do not take it, and their tokens are "
         f"counted as received), concurrency {', '.join(map(str, concurrency))} with "
         f"{', '.join(f'{per_client[c]}' for c in concurrency)} requests per client, after a "
-        f"warm-up. Host: {os.cpu_count()} CPUs; {mlx_note}; Hypercorn worker "
+        f"warm-up. Our levels at concurrency {', '.join(map(str, BARE_BATCHES))} ran "
+        f"{settings.paired_rounds} paired round(s) each (bare engine, our level, bare engine); "
+        f"the round with the median decode ÷ bare is shown. "
+        f"Host: {os.cpu_count()} CPUs; {mlx_note}; Hypercorn worker "
         f"{settings.worker_class}. Run took {elapsed / 60:.1f} min."
     )
     if settings.trace and "mlx" in engines and "--engine-process" not in settings.server_args:

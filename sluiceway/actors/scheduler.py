@@ -73,7 +73,7 @@ class SchedulerConfig:
     eos_ids: frozenset[int]
     max_num_seqs: int = 32
     max_queued_requests: int = 256
-    prefill_chunk_tokens: int = 512
+    prefill_chunk_tokens: int = 2048
 
 
 @dataclass(slots=True)

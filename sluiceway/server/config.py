@@ -49,7 +49,7 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_num_seqs: int = 32
     max_queued_requests: int = 256
-    prefill_chunk_tokens: int = 512
+    prefill_chunk_tokens: int = 2048
     keepalive_seconds: float = 5.0
     max_top_logprobs: int = 20
     logprobs_mode: Literal["raw", "processed"] = "raw"
