@@ -28,7 +28,7 @@ the targets met or missed, and our pipeline's cost per streamed token.
         [--server-args='--engine-process'] [--server-env K=V ...]
         [--output bench/serve-results.md]
 
-The default run takes about 9 minutes on a 2-core host, ``--quick`` about 3.
+The default run takes about 13 minutes on a 2-core host, ``--quick`` about 3.
 The host is measured for other load (``bench/hostload.py``): a measurement
 waits for a quiet host and is repeated while other processes were busy
 (``--busy``, ``--retries``); the *other CPU* column shows what remained.
@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import glob
 import itertools
 import json
@@ -60,7 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from hostload import Span, thread_ticks, wait_quiet
@@ -297,14 +298,13 @@ def run_server(
         asyncio.run(warm_up(target, prompts, settings))
         for concurrency in settings.concurrency:
             paired = bare if server == OURS and concurrency in BARE_BATCHES else None
+            measure = functools.partial(
+                measure_level, server, target, prompts, concurrency, settings, process.pid
+            )
             if paired is None:
-                measured = measure_level(
-                    server, target, prompts, concurrency, settings, process.pid
-                )
+                measured = measure()
             else:
-                measured = measure_paired(
-                    run, paired, target, prompts, concurrency, settings, process.pid
-                )
+                measured = measure_paired(run, paired, concurrency, settings.paired_rounds, measure)
             level, other, client, ticks = measured
             run.levels.append(level)
             run.other_cpu.append(other)
@@ -400,21 +400,19 @@ def measure_level(
 def measure_paired(
     run: ServerRun,
     bare: BareEngine,
-    target: Target,
-    prompts: Iterator[str],
     concurrency: int,
-    settings: Settings,
-    pid: int,
+    rounds: int,
+    measure: Callable[[], Measured],
 ) -> Measured:
-    """``settings.paired_rounds`` rounds of: the bare engine, our level, the
+    """``rounds`` rounds of: the bare engine, our level (``measure``), the
     bare engine again. Each round's ratio is our decode rate over the mean of
     the two bare rates around it, so that a drift of the host hits both
     sides; the round with the median ratio is the one reported (with an even
     count, the lower of the two middle ones)."""
-    rounds = []
-    for _ in range(settings.paired_rounds):
+    results = []
+    for _ in range(rounds):
         before = bare.measure(concurrency)
-        measured = measure_level(OURS, target, prompts, concurrency, settings, pid)
+        measured = measure()
         after = bare.measure(concurrency)
         rate, step = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
         ratio = measured[0].decode_throughput / rate
@@ -423,9 +421,9 @@ def measure_paired(
             f"{after[0]:.1f} after: decode ÷ bare {ratio:.3f}",
             flush=True,
         )
-        rounds.append((ratio, rate, step, measured))
-    run.paired_ratios[concurrency] = [ratio for ratio, *_ in rounds]
-    _, rate, step, measured = sorted(rounds, key=lambda r: r[0])[(len(rounds) - 1) // 2]
+        results.append((ratio, rate, step, measured))
+    run.paired_ratios[concurrency] = [ratio for ratio, *_ in results]
+    _, rate, step, measured = sorted(results, key=lambda r: r[0])[(len(results) - 1) // 2]
     run.paired_bare[concurrency], run.paired_step[concurrency] = rate, step
     return measured
 
