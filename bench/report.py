@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from loadgen import Level
 from trace_server import MARKS, Summary
 
@@ -61,6 +62,10 @@ class ServerRun:
     paired_step: dict[int, float] = field(default_factory=dict)
     #: Decode ÷ bare of every paired round, in the order they ran.
     paired_ratios: dict[int, list[float]] = field(default_factory=dict)
+    #: The bare engine's tokens/s and step around each paired round.
+    round_bare: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
+    #: Tokens/s of every round at each concurrency, in the order they ran.
+    round_throughput: dict[int, list[float]] = field(default_factory=dict)
     #: With --trace: per level, where the server's time went, and its CPU by thread role.
     traces: list[Summary | None] = field(default_factory=list)
     thread_cpu: list[dict[str, float]] = field(default_factory=list)
@@ -147,6 +152,19 @@ def section_table(section: Section, settings: Settings) -> list[str]:
     return lines
 
 
+def ahead_by(ours: ServerRun, peer: ServerRun, concurrency: int) -> float:
+    """Our tokens/s over the peer's: the median over the rounds they took
+    turns in (each round's ratio is of two runs minutes apart at most), else
+    the ratio of the reported levels."""
+    mine, theirs = ours.round_throughput.get(concurrency), peer.round_throughput.get(concurrency)
+    if mine and theirs and len(mine) == len(theirs):
+        return float(np.median([m / t for m, t in zip(mine, theirs, strict=True) if t]))
+    level, other = ours.level(concurrency), peer.level(concurrency)
+    assert level is not None
+    assert other is not None
+    return level.throughput / other.throughput
+
+
 def targets(sections: Sequence[Section]) -> list[str]:
     lines = ["## Targets", ""]
     for section in sections:
@@ -171,10 +189,9 @@ def targets(sections: Sequence[Section]) -> list[str]:
                 theirs = peer.level(level.concurrency)
                 if theirs is None or not theirs.throughput:
                     continue
-                speedups.append(
-                    f"c={level.concurrency}: {level.throughput / theirs.throughput:.2f}x"
-                )
-                if level.throughput <= theirs.throughput:
+                speedup = ahead_by(ours, peer, level.concurrency)
+                speedups.append(f"c={level.concurrency}: {speedup:.2f}x")
+                if speedup <= 1.0:
                     behind.append(
                         f"c={level.concurrency}: {level.throughput:.1f} vs {theirs.throughput:.1f}"
                     )

@@ -12,7 +12,11 @@ One command builds (once, cached) the models, then for each engine:
   each of those levels runs ``--paired-rounds`` times (3), each round between
   two measurements of the bare engine at the same batch size, and the round
   with the median ratio to the bare engine is reported (all ratios are listed);
-* the **peer** on the same model, load and prompts: ``mlx_lm.server`` against
+* the **peer** on the same model, load and prompts, up at the same time as
+  ours: at concurrency 1, 4 and 16 the two take turns round by round (bare,
+  ours, bare, peer), the peer's median round by tok/s is reported, and "ahead
+  of the peer" is the median of the per-round ratios, so that the host's
+  drift over minutes does not decide it: ``mlx_lm.server`` against
   our mlx engine, ``transformers serve --continuous-batching`` against our
   transformers engine (run from a separate venv under /tmp, created on first
   use, that adds FastAPI and Uvicorn to this venv's packages).
@@ -28,7 +32,7 @@ the targets met or missed, and our pipeline's cost per streamed token.
         [--server-args='--engine-process'] [--server-env K=V ...]
         [--output bench/serve-results.md]
 
-The default run takes about 13 minutes on a 2-core host, ``--quick`` about 3.
+The default run takes about 17 minutes on a 2-core host, ``--quick`` about 3.
 The host is measured for other load (``bench/hostload.py``): a measurement
 waits for a quiet host and is repeated while other processes were busy
 (``--busy``, ``--retries``); the *other CPU* column shows what remained.
@@ -61,8 +65,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from hostload import Span, thread_ticks, wait_quiet
 from loadgen import Level, Target, prompts_of_length, run_level, wait_healthy
@@ -264,15 +270,31 @@ def start_bare(section: Section, settings: Settings) -> BareEngine | None:
     return bare
 
 
-def run_server(
-    server: str,
-    section: Section,
-    settings: Settings,
-    prompts: Iterator[str],
-    peer_python: str | None,
-    bare: BareEngine | None,
-) -> ServerRun:
-    run = ServerRun(server)
+@dataclass(slots=True)
+class Server:
+    """One server process under test, up for a whole section."""
+
+    run: ServerRun
+    process: subprocess.Popen[bytes]
+    target: Target
+    log: IO[str]
+    prompts: Iterator[str]
+    trace: str | None
+
+    @property
+    def alive(self) -> bool:
+        return self.run.failure is None
+
+    def fail(self, error: Exception) -> None:
+        self.log.seek(0)
+        tail = self.log.read()[-1500:]
+        self.run.failure = f"{error}"
+        print(f"  {self.run.server} failed: {error}\n{tail}", flush=True)
+
+
+def start_server(
+    server: str, section: Section, settings: Settings, peer_python: str | None
+) -> Server:
     port = free_port()
     trace = None
     if settings.trace and server == OURS:
@@ -281,7 +303,7 @@ def run_server(
     command = server_command(
         server, section.engine, section.model.path, port, settings, peer_python, trace
     )
-    log = tempfile.NamedTemporaryFile(  # noqa: SIM115  # closed in finally
+    log = tempfile.NamedTemporaryFile(  # noqa: SIM115  # closed in stop_server
         "w+", prefix=f"bench-{server.split()[0]}-", suffix=".log", delete=False
     )
     process = subprocess.Popen(
@@ -292,46 +314,115 @@ def run_server(
         | (dict(settings.server_env) if server == OURS else {}),
         cwd=tempfile.gettempdir(),
     )
+    # The same prompts, in the same order, for every server.
+    prompts = itertools.cycle(section.model.prompts)
     target = target_for(server, port, section.model.path)
+    return Server(ServerRun(server), process, target, log, prompts, trace)
+
+
+def warm_up_server(server: Server, settings: Settings) -> None:
     try:
-        asyncio.run(wait_healthy(target.base_url, 600, lambda: process.poll() is None))
-        asyncio.run(warm_up(target, prompts, settings))
-        for concurrency in settings.concurrency:
-            paired = bare if server == OURS and concurrency in BARE_BATCHES else None
-            measure = functools.partial(
-                measure_level, server, target, prompts, concurrency, settings, process.pid
-            )
-            if paired is None:
-                measured = measure()
-            else:
-                measured = measure_paired(run, paired, concurrency, settings.paired_rounds, measure)
-            level, other, client, ticks = measured
-            run.levels.append(level)
-            run.other_cpu.append(other)
-            run.client_cpu.append(client)
-            run.level_ticks.append(ticks)
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with {process.returncode}")
+        alive = server.process.poll
+        asyncio.run(wait_healthy(server.target.base_url, 600, lambda: alive() is None))
+        asyncio.run(warm_up(server.target, server.prompts, settings))
     except (RuntimeError, TimeoutError, OSError) as error:
-        log.seek(0)
-        tail = log.read()[-1500:]
-        run.failure = f"{error}"
-        print(f"  {server} failed: {error}\n{tail}", flush=True)
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
-        if run.failure is None:
-            os.unlink(log.name)
-        else:
-            run.note = f"log: {log.name}"
-        if trace is not None:
-            read_trace(run, trace, process.pid)
-    return run
+        server.fail(error)
+
+
+def stop_server(server: Server) -> None:
+    process, run = server.process, server.run
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    server.log.close()
+    if run.failure is None:
+        os.unlink(server.log.name)
+    else:
+        run.note = f"log: {server.log.name}"
+    if server.trace is not None:
+        read_trace(run, server.trace, process.pid)
+
+
+def run_servers(
+    servers: Sequence[Server], section: Section, settings: Settings, bare: BareEngine | None
+) -> None:
+    """Every level on every server, taking turns: at the concurrencies the
+    bare engine has a batch size for, ``settings.paired_rounds`` rounds of
+    (bare engine, our level, bare engine, the peer's level), so that a drift
+    of the host hits every side alike. Each server's reported level is its
+    median round (ours: by decode ÷ bare; a peer: by tok/s)."""
+    for concurrency in settings.concurrency:
+        paired = bare if concurrency in BARE_BATCHES else None
+        rounds = settings.paired_rounds if paired is not None else 1
+        results: dict[str, list[tuple[float, Measured]]] = {}
+        for _ in range(rounds):
+            for server in servers:
+                if not server.alive:
+                    continue
+                try:
+                    key, measured = measure_turn(server, concurrency, settings, paired)
+                except (RuntimeError, TimeoutError, OSError) as error:
+                    server.fail(error)
+                    continue
+                results.setdefault(server.run.server, []).append((key, measured))
+        for server in servers:
+            turns = results.get(server.run.server)
+            if turns:
+                keep_median(server.run, concurrency, turns)
+
+
+def measure_turn(
+    server: Server, concurrency: int, settings: Settings, bare: BareEngine | None
+) -> tuple[float, Measured]:
+    """One level on one server; returns the key its rounds are ranked by
+    (decode ÷ bare for ours when paired, else tok/s) and the measurement."""
+    run = server.run
+    measure = functools.partial(
+        measure_level,
+        run.server,
+        server.target,
+        server.prompts,
+        concurrency,
+        settings,
+        server.process.pid,
+    )
+    if run.server != OURS or bare is None:
+        measured = measure()
+        key = measured[0].throughput
+    else:
+        before = bare.measure(concurrency)
+        measured = measure()
+        after = bare.measure(concurrency)
+        rate, step = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
+        key = measured[0].decode_throughput / rate
+        run.paired_ratios.setdefault(concurrency, []).append(key)
+        run.round_bare.setdefault(concurrency, []).append((rate, step))
+        print(
+            f"  {'bare engine':>18} c={concurrency:<3} {before[0]:8.1f} tok/s before, "
+            f"{after[0]:.1f} after: decode ÷ bare {key:.3f}",
+            flush=True,
+        )
+    run.round_throughput.setdefault(concurrency, []).append(measured[0].throughput)
+    if server.process.poll() is not None:
+        raise RuntimeError(f"the server exited with {server.process.returncode}")
+    return key, measured
+
+
+def keep_median(run: ServerRun, concurrency: int, turns: list[tuple[float, Measured]]) -> None:
+    """Report the round with the median key (with an even count, the lower middle one)."""
+    index = sorted(range(len(turns)), key=lambda i: turns[i][0])[(len(turns) - 1) // 2]
+    level, other, client, ticks = turns[index][1]
+    if concurrency in run.round_bare:
+        run.paired_bare[concurrency], run.paired_step[concurrency] = run.round_bare[concurrency][
+            index
+        ]
+    run.levels.append(level)
+    run.other_cpu.append(other)
+    run.client_cpu.append(client)
+    run.level_ticks.append(ticks)
 
 
 def read_trace(run: ServerRun, path: str, pid: int) -> None:
@@ -395,37 +486,6 @@ def measure_level(
             break
     assert best is not None
     return best
-
-
-def measure_paired(
-    run: ServerRun,
-    bare: BareEngine,
-    concurrency: int,
-    rounds: int,
-    measure: Callable[[], Measured],
-) -> Measured:
-    """``rounds`` rounds of: the bare engine, our level (``measure``), the
-    bare engine again. Each round's ratio is our decode rate over the mean of
-    the two bare rates around it, so that a drift of the host hits both
-    sides; the round with the median ratio is the one reported (with an even
-    count, the lower of the two middle ones)."""
-    results = []
-    for _ in range(rounds):
-        before = bare.measure(concurrency)
-        measured = measure()
-        after = bare.measure(concurrency)
-        rate, step = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
-        ratio = measured[0].decode_throughput / rate
-        print(
-            f"  {'bare engine':>18} c={concurrency:<3} {before[0]:8.1f} tok/s before, "
-            f"{after[0]:.1f} after: decode ÷ bare {ratio:.3f}",
-            flush=True,
-        )
-        results.append((ratio, rate, step, measured))
-    run.paired_ratios[concurrency] = [ratio for ratio, *_ in results]
-    _, rate, step, measured = sorted(results, key=lambda r: r[0])[(len(results) - 1) // 2]
-    run.paired_bare[concurrency], run.paired_step[concurrency] = rate, step
-    return measured
 
 
 async def warm_up(target: Target, prompts: Iterator[str], settings: Settings) -> None:
@@ -572,20 +632,25 @@ def main(argv: Sequence[str] | None = None) -> None:
             sections.append(section)
             print(f"\n== {engine} engine, {model.key} model ({model.label})", flush=True)
             bare = start_bare(section, settings)
-            servers = [OURS]
+            names = [OURS]
             if settings.peers:
-                servers.append(PEER_OF[engine])
-            for server in servers:
-                if server == "transformers serve" and peer_python is None:
-                    section.runs.append(ServerRun(server, failure=f"not run: {peer_note}"))
+                names.append(PEER_OF[engine])
+            servers = []
+            for name in names:
+                if name == "transformers serve" and peer_python is None:
+                    section.runs.append(ServerRun(name, failure=f"not run: {peer_note}"))
                     continue
-                prompts = itertools.cycle(model.prompts)  # the same prompts for every server
-                section.runs.append(
-                    run_server(server, section, settings, prompts, peer_python, bare)
-                )
-                if bare is not None:  # only our levels are paired with it
+                servers.append(start_server(name, section, settings, peer_python))
+            try:
+                for server in servers:
+                    warm_up_server(server, settings)
+                run_servers(servers, section, settings, bare)
+            finally:
+                for server in servers:
+                    stop_server(server)
+                    section.runs.append(server.run)
+                if bare is not None:
                     bare.close()
-                    bare = None
 
     elapsed = time.perf_counter() - started
     header = (
@@ -597,8 +662,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"counted as received), concurrency {', '.join(map(str, concurrency))} with "
         f"{', '.join(f'{per_client[c]}' for c in concurrency)} requests per client, after a "
         f"warm-up. Our levels at concurrency {', '.join(map(str, BARE_BATCHES))} ran "
-        f"{settings.paired_rounds} paired round(s) each (bare engine, our level, bare engine); "
-        f"the round with the median decode ÷ bare is shown. "
+        f"{settings.paired_rounds} round(s) each, taking turns with the peer (bare engine, "
+        f"our level, bare engine, the peer's level); shown: our round with the median "
+        f"decode ÷ bare, the peer's with the median tok/s; *ahead of* the peer is the median "
+        f"of the per-round ratios. "
         f"Host: {os.cpu_count()} CPUs; {mlx_note}; Hypercorn worker "
         f"{settings.worker_class}. Run took {elapsed / 60:.1f} min."
     )
