@@ -101,3 +101,46 @@ def test_an_engine_that_cannot_start_says_why(tiny_model: ModelSource) -> None:
     broken = ModelSource(path=tiny_model.path / "missing", config=tiny_model.config, name="x")
     with pytest.raises(EngineProcessError, match="missing"):
         ProcessEngine(EngineSpec(choice="transformers", source=broken, device="auto", dtype="auto"))
+
+
+def test_a_greedy_decode_crosses_the_pipe_as_plain_values() -> None:
+    import pickle
+
+    import numpy as np
+
+    from sluiceway.actors.engine_process import _for_pipe, _GreedyDecode
+    from sluiceway.actors.engine_work import PrefillOutcome, StepOutcome
+    from sluiceway.engines.base import DecodeResult
+
+    logits = np.random.default_rng(0).standard_normal((3, 50)).astype(np.float32)
+    outcome = StepOutcome(
+        prefills=[],
+        decode=DecodeResult((7, 2, 9), logits),
+        decode_greedy=logits.argmax(axis=-1),
+    )
+    sent = _for_pipe(StepPlan(decode={7: 1, 2: 1, 9: 1}, greedy=True), outcome)
+    assert isinstance(sent, _GreedyDecode)
+    received = pickle.loads(pickle.dumps(sent)).outcome()
+    assert received.decode is not None
+    assert received.decode_greedy is not None
+    assert received.decode.slots == (7, 2, 9)
+    assert received.decode_greedy.tolist() == logits.argmax(axis=-1).tolist()
+    assert received.decode.logits.shape == (3, 0)
+    assert received.prefills == []
+    # A step that also prefills keeps its shape (zero-width logits), and the
+    # outcome left in the child still has its logits for decoding ahead.
+    prefilled = PrefillOutcome(logits=logits[:1], greedy=logits[:1].argmax(axis=-1))
+    mixed = StepOutcome(
+        prefills=[prefilled],
+        decode=DecodeResult((7, 2, 9), logits),
+        decode_greedy=logits.argmax(axis=-1),
+    )
+    sent_mixed = _for_pipe(StepPlan(decode={7: 1, 2: 1, 9: 1}, greedy=True), mixed)
+    assert isinstance(sent_mixed, StepOutcome)
+    assert sent_mixed.decode is not None
+    assert sent_mixed.decode.logits.shape == (3, 0)
+    assert mixed.decode is not None
+    assert mixed.decode.logits.shape == (3, 50)
+    # Sampled steps send their logits.
+    sampled = StepOutcome(prefills=[], decode=DecodeResult((7,), logits[:1]))
+    assert _for_pipe(StepPlan(decode={7: 1}), sampled) is sampled
