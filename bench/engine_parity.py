@@ -30,7 +30,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from models import VOCAB, parameter_count, parity_model
@@ -42,14 +42,20 @@ PROMPT = 64  # tokens per row; ragged rows are PROMPT/4 .. 2*PROMPT-1
 WARMUP = 2
 
 
-def prompts(
-    batch: int, *, ragged: bool, length: int = PROMPT, staggered: bool = False
-) -> list[list[int]]:
+#: Row lengths: all ``length``; random in ``length/4 .. 2*length-1``; or
+#: every other row one token shorter.
+Shape = Literal["equal", "ragged", "staggered"]
+
+
+def prompts(batch: int, shape: Shape = "equal", length: int = PROMPT) -> list[list[int]]:
     rng = np.random.default_rng(batch)
-    lengths = rng.integers(length // 4, length * 2, batch) if ragged else [length] * batch
-    if staggered:
+    if shape == "ragged":
+        lengths = [int(n) for n in rng.integers(length // 4, length * 2, batch)]
+    elif shape == "staggered":
         lengths = [length - row % 2 for row in range(batch)]
-    return [[int(t) for t in rng.integers(0, 500, int(n))] for n in lengths]
+    else:
+        lengths = [length] * batch
+    return [[int(t) for t in rng.integers(0, 500, n)] for n in lengths]
 
 
 Step = Callable[[], None]
@@ -62,7 +68,7 @@ def bare_loop(model: Any, batch: int, prompt: int) -> tuple[Step, Callable[[], N
 
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        rows = prompts(batch, ragged=False, length=prompt)
+        rows = prompts(batch, length=prompt)
         out = model(input_ids=torch.tensor(rows), past_key_values=cache)
     state = {"next": out.logits[:, -1].argmax(-1, keepdim=True)}
 
@@ -75,10 +81,10 @@ def bare_loop(model: Any, batch: int, prompt: int) -> tuple[Step, Callable[[], N
 
 
 def engine_loop(
-    engine: Engine, batch: int, prompt: int, *, ragged: bool, staggered: bool = False
+    engine: Engine, batch: int, prompt: int, shape: Shape = "equal"
 ) -> tuple[Step, Callable[[], None]]:
     """An engine decoding ``batch`` rows, argmax in NumPy (what the sampler sees)."""
-    rows = prompts(batch, ragged=ragged, length=prompt, staggered=staggered)
+    rows = prompts(batch, shape, length=prompt)
     tokens = {slot: int(np.argmax(engine.prefill(slot, row)[-1])) for slot, row in enumerate(rows)}
 
     def step() -> None:
@@ -170,12 +176,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     for batch in args.batches:
         loops = {
             "bare": bare_loop(bare, batch, args.prompt),
-            "engine": engine_loop(engine, batch, args.prompt, ragged=False),
-            "ragged": engine_loop(ragged, batch, args.prompt, ragged=True),
-            "staggered": engine_loop(staggered, batch, args.prompt, ragged=False, staggered=True),
+            "engine": engine_loop(engine, batch, args.prompt),
+            "ragged": engine_loop(ragged, batch, args.prompt, "ragged"),
+            "staggered": engine_loop(staggered, batch, args.prompt, "staggered"),
         }
         if mlx is not None:
-            loops["mlx"] = engine_loop(mlx, batch, args.prompt, ragged=False)
+            loops["mlx"] = engine_loop(mlx, batch, args.prompt)
         timings = measure({name: step for name, (step, _) in loops.items()}, args.steps)
         for _, done in loops.values():
             done()

@@ -138,7 +138,7 @@ class Connection:
             name, _, value = line.decode("latin-1").partition(":")
             headers[name.strip().lower()] = value.strip()
         keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
-        return Reply(int(status), headers, reader, self if keep else None, self)
+        return Reply(int(status), headers, reader, self, keep_alive=keep)
 
     def close(self) -> None:
         if self._streams is not None:
@@ -151,9 +151,9 @@ class Reply:
     status: int
     headers: dict[str, str]
     reader: asyncio.StreamReader
-    #: The connection to keep once the body is read (``None``: close it).
-    keep: Connection | None
     connection: Connection
+    #: Keep the connection once the body is read (else close it).
+    keep_alive: bool
 
     async def body(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive, whatever its framing."""
@@ -175,12 +175,12 @@ class Reply:
             else:
                 while piece := await reader.read(65536):
                     yield piece
-                self.keep = None
+                self.keep_alive = False
         except ValueError as error:  # int() of a bad chunk size
-            self.keep = None
+            self.keep_alive = False
             raise HttpError(f"bad chunk size: {error}") from error
         finally:
-            if self.keep is None:
+            if not self.keep_alive:
                 self.connection.close()
 
     async def events(self) -> AsyncIterator[bytes]:
@@ -265,10 +265,15 @@ async def _stream_into(
                         sample.finished = True
                     elif choice.get("text") is not None:
                         sample.arrivals.append(now)
-    except (OSError, TimeoutError, HttpError, asyncio.IncompleteReadError) as error:
-        connection.close()
-        sample.error = f"{type(error).__name__}: {error}"[:200]
-    except (json.JSONDecodeError, KeyError, ValueError) as error:
+    except (
+        OSError,
+        TimeoutError,
+        HttpError,
+        asyncio.IncompleteReadError,
+        ValueError,
+        KeyError,
+    ) as error:
+        # ValueError covers json.JSONDecodeError.
         connection.close()
         sample.error = f"{type(error).__name__}: {error}"[:200]
     return responded

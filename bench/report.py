@@ -33,8 +33,8 @@ class Settings:
     #: Extra environment for our server only (``--server-env K=V``), for experiments.
     server_env: tuple[tuple[str, str], ...] = ()
     server_args: tuple[str, ...] = ()
-    #: Rounds of (bare, our level, bare) at each concurrency the bare engine
-    #: has a batch size for; the round with the median ratio is reported.
+    #: Rounds of (bare, our level, bare, the peer's level) at each concurrency
+    #: the bare engine has a batch size for; each server's median round is reported.
     paired_rounds: int = 1
 
 

@@ -346,9 +346,7 @@ def stop_server(server: Server) -> None:
         read_trace(run, server.trace, process.pid)
 
 
-def run_servers(
-    servers: Sequence[Server], section: Section, settings: Settings, bare: BareEngine | None
-) -> None:
+def run_servers(servers: Sequence[Server], settings: Settings, bare: BareEngine | None) -> None:
     """Every level on every server, taking turns: at the concurrencies the
     bare engine has a batch size for, ``settings.paired_rounds`` rounds of
     (bare engine, our level, bare engine, the peer's level), so that a drift
@@ -644,7 +642,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             try:
                 for server in servers:
                     warm_up_server(server, settings)
-                run_servers(servers, section, settings, bare)
+                run_servers(servers, settings, bare)
             finally:
                 for server in servers:
                     stop_server(server)

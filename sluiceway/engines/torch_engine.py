@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from sluiceway.engines.base import DecodeResult, EngineInfo, Logits, config_max_context
 from sluiceway.engines.loader import ModelSource
@@ -578,8 +579,6 @@ def _attention(
     per row): there SDPA's ``enable_gqa`` kernel takes the padding mask as it
     is, where transformers would fold grouped query heads into the query axis
     and take a slower kernel. Unmasked, it is the call transformers makes."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if query.shape[2] != 1 or dropout or kwargs.get("position_bias") is not None:
         output: tuple[torch.Tensor, None] = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
