@@ -4,11 +4,19 @@ anyio's ``send``/``receive`` always pass a checkpoint first, and looking up the
 backend for it is a noticeable share of the event loop's time per streamed
 token. Where a message is already waiting (or there is room for one), these
 helpers skip that checkpoint; when they do wait, they wait the normal way.
+
+A request's output goes through a :func:`open_mailbox` instead of a memory
+object stream: the scheduler drops each step's message in without waiting,
+and the one reader waits on a plain event. A memory stream's ``receive``
+passes a checkpoint before it waits, which costs the event loop a whole extra
+turn per streamed token.
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
+from collections import deque
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -31,3 +39,114 @@ async def put(send: MemoryObjectSendStream[T], message: T) -> None:
         send.send_nowait(message)
     except anyio.WouldBlock:
         await send.send(message)
+
+
+def event_factory() -> Callable[[], anyio.Event]:
+    """The running backend's event class. Making an event from it skips the
+    backend lookup that ``anyio.Event()`` does each time; call this inside the
+    event loop whose events it will make."""
+    return type(anyio.Event())
+
+
+class _MailboxState(Generic[T]):
+    __slots__ = ("make_event", "messages", "reader_closed", "waiter", "writer_closed")
+
+    def __init__(self, make_event: Callable[[], anyio.Event]) -> None:
+        self.messages: deque[T] = deque()
+        self.waiter: anyio.Event | None = None
+        self.make_event = make_event
+        self.writer_closed = False
+        self.reader_closed = False
+
+    def wake(self) -> None:
+        if self.waiter is not None:
+            self.waiter.set()
+            self.waiter = None
+
+
+class MailboxWriter(Generic[T]):
+    """The sending half: never waits (the mailbox is unbounded)."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: _MailboxState[T]) -> None:
+        self._state = state
+
+    def send_nowait(self, message: T) -> None:
+        """Raises ``ClosedResourceError`` after :meth:`close`, and
+        ``BrokenResourceError`` once the reader has gone."""
+        state = self._state
+        if state.writer_closed:
+            raise anyio.ClosedResourceError
+        if state.reader_closed:
+            raise anyio.BrokenResourceError
+        state.messages.append(message)
+        state.wake()
+
+    def close(self) -> None:
+        """No more messages: the reader gets ``EndOfStream`` after the last one."""
+        self._state.writer_closed = True
+        self._state.wake()
+
+
+class MailboxReader(Generic[T]):
+    """The receiving half, for one task at a time."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: _MailboxState[T]) -> None:
+        self._state = state
+
+    def receive_nowait(self) -> T:
+        """A waiting message; ``WouldBlock`` if there is none yet, ``EndOfStream``
+        once the writer closed and every message was read."""
+        state = self._state
+        if state.reader_closed:
+            raise anyio.ClosedResourceError
+        if state.messages:
+            return state.messages.popleft()
+        if state.writer_closed:
+            raise anyio.EndOfStream
+        raise anyio.WouldBlock
+
+    @property
+    def ready(self) -> bool:
+        """Whether :meth:`receive_nowait` would return at once (a message, or
+        the end), without raising ``WouldBlock``; cheaper than trying it."""
+        state = self._state
+        return bool(state.messages) or state.writer_closed or state.reader_closed
+
+    async def receive(self) -> T:
+        """The next message, waiting for it if needed (no checkpoint first)."""
+        state = self._state
+        while not self.ready:
+            if state.waiter is not None:
+                raise RuntimeError("a mailbox has one reader at a time")
+            waiter = state.waiter = state.make_event()
+            try:
+                await waiter.wait()
+            finally:
+                if state.waiter is waiter:  # cancelled while waiting
+                    state.waiter = None
+        return self.receive_nowait()
+
+    def close(self) -> None:
+        """The reader is gone: messages still waiting are dropped, and the
+        writer's next send raises ``BrokenResourceError``."""
+        self._state.reader_closed = True
+        self._state.messages.clear()
+
+    async def __aenter__(self) -> MailboxReader[T]:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+Mailbox = tuple[MailboxWriter[T], MailboxReader[T]]
+
+
+def open_mailbox() -> Mailbox[T]:
+    """An unbounded one-reader channel; open it inside the event loop that uses it."""
+    state: _MailboxState[T] = _MailboxState(event_factory())
+    return MailboxWriter(state), MailboxReader(state)

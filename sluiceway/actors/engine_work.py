@@ -16,16 +16,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Concatenate, Generic, ParamSpec, Protocol, TypeVar, runtime_checkable
+from queue import SimpleQueue
+from typing import Concatenate, Generic, ParamSpec, Protocol, TypeVar, cast, runtime_checkable
 
 import anyio
 import numpy as np
 import numpy.typing as npt
 import sniffio
 
+from sluiceway.actors.channels import event_factory
 from sluiceway.actors.logprobs import reduce_targets
 from sluiceway.engines.base import DecodeResult, Engine, Logits
 from sluiceway.protocol.messages import TokenLogprob
@@ -59,25 +61,67 @@ def _soon_in_this_loop() -> Callable[[Callable[[], object]], None]:
 
 
 @dataclass(frozen=True, slots=True)
-class Running(Generic[T]):
-    """A call under way on the engine thread."""
+class LoopLink:
+    """How the engine thread reaches one event loop: a thread-safe way to
+    call into it, and its events. Made inside that loop; a caller that starts
+    work every step keeps one rather than looking the loop up each time."""
 
-    future: Future[T]
-    done: anyio.Event
+    call_soon: Callable[[Callable[[], object]], None]
+    make_event: Callable[[], anyio.Event]
+
+    @classmethod
+    def here(cls) -> LoopLink:
+        return cls(_soon_in_this_loop(), event_factory())
+
+
+class Running(Generic[T]):
+    """A call under way on the engine thread; it reports once, from that thread."""
+
+    __slots__ = ("_done", "_error", "_value", "_wake", "reported")
+
+    def __init__(self, link: LoopLink) -> None:
+        self._done = link.make_event()
+        self._wake = link.call_soon
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        self.reported = False
+
+    def report(self, value: T) -> None:
+        self._value = value
+        self.reported = True
+        self._wake(self._done.set)
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self.reported = True
+        self._wake(self._done.set)
 
     async def result(self) -> T:
-        """Wait for the call. The wait survives cancellation, so the engine
-        is never left mid-call by a cancelled caller."""
-        with anyio.CancelScope(shield=True):
-            await self.done.wait()
-        return self.future.result()
+        """Wait for the call. A cancelled caller still waits for the engine
+        to finish, so the engine is never left mid-call (the shield is only
+        set up on that path: it costs a task lookup per step)."""
+        try:
+            await self._done.wait()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._done.wait()
+            raise
+        if self._error is not None:
+            raise self._error
+        return cast(T, self._value)
 
 
 class EngineThread:
     """The one thread that runs the engine."""
 
     def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._jobs: SimpleQueue[Callable[[], None] | None] = SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="engine", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
 
     async def run(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run ``function`` on the engine thread and wait for it."""
@@ -89,10 +133,11 @@ class EngineThread:
         def call(report: Callable[[T], None]) -> None:
             report(function(*args, **kwargs))
 
-        return self.start_reporting(call)
+        return self.start_reporting(LoopLink.here(), call)
 
     def start_reporting(
         self,
+        link: LoopLink,
         function: Callable[Concatenate[Callable[[T], None], P], None],
         *args: P.args,
         **kwargs: P.kwargs,
@@ -104,29 +149,24 @@ class EngineThread:
         The engine thread wakes the event loop itself: one thread hop each way
         (a worker thread parked on a future would add two).
         """
-        done = anyio.Event()
-        wake = _soon_in_this_loop()
-        result: Future[T] = Future()
-
-        def report(value: T) -> None:
-            result.set_result(value)
-            wake(done.set)
+        running: Running[T] = Running(link)
 
         def job() -> None:
             try:
-                function(report, *args, **kwargs)
+                function(running.report, *args, **kwargs)
             except BaseException as error:
-                if result.done():
+                if running.reported:
                     logger.exception("engine work after the handover failed")
                 else:
-                    result.set_exception(error)
-                    wake(done.set)
+                    running.fail(error)
 
-        self._executor.submit(job)
-        return Running(result, done)
+        self._jobs.put(job)
+        return running
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        """Finish the work already started, then end the thread."""
+        self._jobs.put(None)
+        self._thread.join()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 
-from sluiceway.actors.channels import put, take
+from sluiceway.actors.channels import MailboxReader, put
 from sluiceway.parsers.assembler import Chunk
 from sluiceway.parsers.detokenizer import TokenTable
 from sluiceway.parsers.events import Channel
@@ -246,7 +246,7 @@ class RequestOutputs:
 
 
 async def run(
-    receive: MemoryObjectReceiveStream[RequestOutput],
+    receive: MailboxReader[RequestOutput],
     send: MemoryObjectSendStream[EmitterEvent],
     scheduler: ChoiceFinisher,
     config: OutputConfig,
@@ -257,7 +257,7 @@ async def run(
     async with receive, send:
         while not outputs.ended:
             try:
-                events = outputs.handle(await take(receive))
+                events = outputs.handle(await receive.receive())
             except anyio.EndOfStream:
                 events = outputs.close()
             for event in events:

@@ -29,7 +29,14 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from sluiceway.actors.engine_work import EngineThread, Running, StepOutcome, StepPlan, execute
+from sluiceway.actors.engine_work import (
+    EngineThread,
+    LoopLink,
+    Running,
+    StepOutcome,
+    StepPlan,
+    execute,
+)
 from sluiceway.engines.base import DecodeResult, Engine
 
 logger = logging.getLogger(__name__)
@@ -140,13 +147,17 @@ class SteppingThread:
     def __init__(self, engine: Engine, thread: EngineThread) -> None:
         self._runner = RunAhead(engine)
         self._thread = thread
+        #: The event loop of the first step; a scheduler runs in one loop.
+        self._link: LoopLink | None = None
 
     @property
     def runner(self) -> RunAhead:
         return self._runner
 
     def start(self, plan: StepPlan) -> Running[StepOutcome]:
-        return self._thread.start_reporting(self._step, plan)
+        if self._link is None:
+            self._link = LoopLink.here()
+        return self._thread.start_reporting(self._link, self._step, plan)
 
     def _step(self, report: Callable[[StepOutcome], None], plan: StepPlan) -> None:
         outcome = self._runner.execute(plan)

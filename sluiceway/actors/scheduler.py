@@ -52,6 +52,7 @@ from sluiceway.protocol.messages import (
     FinishChoice,
     GenerationRequest,
     LogitsStep,
+    Outbox,
     PromptScores,
     RequestFailed,
     RequestOutput,
@@ -115,9 +116,7 @@ class SchedulerHandle:
         #: Rows not reserved by a running or prefilling request, as of the last step.
         self.free_rows = config.max_num_seqs
 
-    def submit(
-        self, request: GenerationRequest, output: MemoryObjectSendStream[RequestOutput]
-    ) -> None:
+    def submit(self, request: GenerationRequest, output: Outbox[RequestOutput]) -> None:
         # Requests that free rows will take at once do not count as waiting.
         waiting = self.queued - self.free_rows
         if waiting >= self._config.max_queued_requests:
@@ -444,8 +443,9 @@ class Scheduler:
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             self._close(request)  # the client went away
         except anyio.WouldBlock:
-            # The channel is sized for every step a request can produce, so
-            # this is a bug in whoever sized it; that request ends, not the server.
+            # An output is unbounded or sized for every step a request can
+            # produce, so this is a bug in whoever sized it; that request
+            # ends, not the server.
             logger.error("output channel of %s is full; dropping it", request.spec.request_id)
             self._close(request)
 

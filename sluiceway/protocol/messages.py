@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from anyio.streams.memory import MemoryObjectSendStream
+from typing import Any, Protocol, TypeVar
 
 # Actor messages carry engine arrays (NumPy float32) without copying them.
 Array = Any
@@ -94,10 +91,22 @@ class GenerationRequest:
 # --- server -> scheduler ---------------------------------------------------
 
 
+T_contra = TypeVar("T_contra", contravariant=True)
+
+
+class Outbox(Protocol[T_contra]):
+    """Where the scheduler puts one request's messages without waiting (a
+    mailbox's writer, or a memory object stream's send half)."""
+
+    def send_nowait(self, message: T_contra) -> None: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Submit:
     request: GenerationRequest
-    output: MemoryObjectSendStream[RequestOutput]
+    output: Outbox[RequestOutput]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

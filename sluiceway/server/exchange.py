@@ -21,20 +21,24 @@ from typing import Protocol
 import anyio
 from anyio import CancelScope
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from sluiceway.actors import output
-from sluiceway.actors.channels import take
+from sluiceway.actors.channels import Mailbox, MailboxReader, open_mailbox, take
 from sluiceway.actors.emitters.common import KEEPALIVE, StreamEncoder
 from sluiceway.actors.output import ChoiceFinisher, OutputConfig
-from sluiceway.protocol.messages import Deltas, EmitterEvent, GenerationRequest, RequestOutput
+from sluiceway.protocol.messages import (
+    Deltas,
+    EmitterEvent,
+    GenerationRequest,
+    Outbox,
+    RequestOutput,
+)
 from sluiceway.server.http import SSE_HEADERS, Receive, Send
 
 
 class Submitter(ChoiceFinisher, Protocol):
-    def submit(
-        self, request: GenerationRequest, output: MemoryObjectSendStream[RequestOutput]
-    ) -> None: ...
+    def submit(self, request: GenerationRequest, output: Outbox[RequestOutput]) -> None: ...
 
     def cancel(self, request_id: str) -> None: ...
 
@@ -53,18 +57,16 @@ async def _cancel_on_disconnect(receive: Receive, scope: CancelScope) -> None:
             return
 
 
-def _submit_all(
-    scheduler: Submitter, jobs: Sequence[Job]
-) -> list[MemoryObjectReceiveStream[RequestOutput]]:
+def _submit_all(scheduler: Submitter, jobs: Sequence[Job]) -> list[MailboxReader[RequestOutput]]:
     """Submit every job, or none: a refusal (queue full) cancels the others."""
-    streams = []
+    streams: list[MailboxReader[RequestOutput]] = []
     try:
         for job in jobs:
-            # One message per step at most, so this bound is never reached: the
-            # scheduler never blocks on a slow client.
-            send, receive = anyio.create_memory_object_stream[RequestOutput](
-                job.request.limits.max_tokens + 2
-            )
+            # Unbounded, so the scheduler never blocks on a slow client; it
+            # sends one message per step at most, so a request's mailbox
+            # never holds more than its max_tokens plus two.
+            mailbox: Mailbox[RequestOutput] = open_mailbox()
+            send, receive = mailbox
             streams.append(receive)
             scheduler.submit(job.request, send)
     except BaseException:
@@ -114,22 +116,22 @@ class _Inline:
     """One request's output actor run in the exchange's own task: a reply fed
     by a single request saves a task hop per token."""
 
-    tokens: MemoryObjectReceiveStream[RequestOutput]
+    tokens: MailboxReader[RequestOutput]
     outputs: output.RequestOutputs
 
     async def next(self) -> list[EmitterEvent]:
         if self.outputs.ended:
             raise anyio.EndOfStream
         try:
-            return self.outputs.handle(await take(self.tokens))
+            return self.outputs.handle(await self.tokens.receive())
         except anyio.EndOfStream:
             return self.outputs.close()
 
     def waiting(self) -> list[EmitterEvent]:
+        if not self.tokens.ready:
+            return []
         try:
             return self.outputs.handle(self.tokens.receive_nowait())
-        except anyio.WouldBlock:
-            return []
         except anyio.EndOfStream:
             return self.outputs.close()
 
@@ -141,7 +143,7 @@ def _start_events(
     group: TaskGroup,
     scheduler: Submitter,
     jobs: Sequence[Job],
-    streams: Sequence[MemoryObjectReceiveStream[RequestOutput]],
+    streams: Sequence[MailboxReader[RequestOutput]],
 ) -> _Events:
     if len(jobs) == 1:
         return _Inline(streams[0], output.RequestOutputs(jobs[0].output, scheduler))
@@ -155,7 +157,7 @@ def _start_events(
 def _cancel_jobs(
     scheduler: Submitter,
     jobs: Sequence[Job],
-    streams: Sequence[MemoryObjectReceiveStream[RequestOutput]],
+    streams: Sequence[MailboxReader[RequestOutput]],
 ) -> None:
     for job in jobs:
         scheduler.cancel(job.request.request_id)
