@@ -35,7 +35,7 @@ import numpy as np
 from sluiceway.actors.engine_work import PendingStep, StepOutcome, StepPlan, failed_step
 from sluiceway.actors.run_ahead import RunAhead
 from sluiceway.engines.base import DecodeResult, Engine, EngineInfo, Logits
-from sluiceway.engines.loader import ModelSource
+from sluiceway.engines.loader import ModelSource, freeze_heap
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +191,7 @@ def _child_main(conn: Connection, spec: EngineSpec) -> None:
         conn.send(("error", f"{type(error).__name__}: {error}"))
         return
     conn.send(("ok", engine.info))
+    freeze_heap()
     _serve(conn, engine)
 
 

@@ -26,7 +26,7 @@ from sluiceway.actors.sampler import SamplerConfig
 from sluiceway.actors.scheduler import Scheduler, SchedulerConfig, SchedulerHandle, open_inbox
 from sluiceway.engines.base import Engine
 from sluiceway.engines.default_model import default_model_dir
-from sluiceway.engines.loader import ModelSource, resolve_model
+from sluiceway.engines.loader import ModelSource, freeze_heap, resolve_model
 from sluiceway.engines.select import choose_engine, in_child_process_by_default, make_engine
 from sluiceway.engines.tokenizer import ModelTokenizer
 from sluiceway.protocol.messages import LogitsStep, SampledStep
@@ -56,10 +56,12 @@ async def load_model(config: ServerConfig) -> LoadedModel:
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     thread = EngineThread()
     try:
-        return await thread.run(_load, config, thread)
+        loaded = await thread.run(_load, config, thread)
     except BaseException:
         thread.close()
         raise
+    freeze_heap()
+    return loaded
 
 
 def _load(config: ServerConfig, thread: EngineThread) -> LoadedModel:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
 
+from sluiceway.engines.loader import freeze_heap
 from sluiceway.protocol.chat import ChatRequest
 from sluiceway.protocol.errors import InvalidRequest, MethodNotAllowed, NotFound
 from sluiceway.server.cli import build_parser
@@ -129,3 +131,18 @@ def test_stop_strings_are_checked() -> None:
         stop_strings([str(i) for i in range(17)])
     with pytest.raises(InvalidRequest):
         stop_strings([""])
+
+
+def test_freezing_the_heap_takes_what_exists_out_of_collections() -> None:
+    """What exists once the model is loaded is frozen: later collections do
+    not walk it (the GC tracks only objects made afterwards)."""
+    loaded = [[index] for index in range(1000)]  # lists are always tracked
+    try:
+        freeze_heap()
+        assert gc.get_freeze_count() >= len(loaded)
+        tracked = {id(item) for item in gc.get_objects()}
+        assert not any(id(item) in tracked for item in loaded)
+        made_later = [[1]]
+        assert id(made_later[0]) in {id(item) for item in gc.get_objects()}
+    finally:
+        gc.unfreeze()
