@@ -3,7 +3,6 @@ to one ``chat.completion`` body. Both shapes come from the same deltas."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -11,6 +10,7 @@ from sluiceway.actors.emitters.common import (
     DONE,
     entries_wire,
     error_frame,
+    json_string,
     prompt_entries_wire,
     sse,
     usage_wire,
@@ -53,10 +53,6 @@ class ChatReplyConfig:
     prompt_logprobs: int | None = None
     include_usage: bool = False
     reasoning_field: ReasoningField = "reasoning_content"
-
-
-def _json_string(text: str) -> bytes:
-    return json.dumps(text, ensure_ascii=False).encode("utf-8")
 
 
 def _reasoning_fields(text: str | None, field_name: ReasoningField) -> dict[str, str | None]:
@@ -184,9 +180,9 @@ class ChatStreamEncoder:
         ):
             return None
         if delta.content:
-            fields = b'"content":' + _json_string(delta.content)
+            fields = b'"content":' + json_string(delta.content)
         else:
-            text = _json_string(delta.reasoning)
+            text = json_string(delta.reasoning)
             names = _reasoning_fields(None, self._config.reasoning_field)
             fields = b",".join(b'"' + name.encode() + b'":' + text for name in names)
         return self._head + str(delta.index).encode() + b',"delta":{' + fields + b"}" + self._tail

@@ -5,6 +5,7 @@ call per event, not another task and channel hop."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -20,6 +21,17 @@ from sluiceway.protocol.wire import (
 )
 
 DONE = b"data: [DONE]\n\n"
+
+#: One encoder for every text delta: ``json.dumps(text, ensure_ascii=False)``
+#: would build a new encoder object for each streamed token.
+_TEXT_ENCODER = json.JSONEncoder(ensure_ascii=False)
+
+
+def json_string(text: str) -> bytes:
+    """``text`` as a JSON string literal, UTF-8 (not escaped to ASCII)."""
+    return _TEXT_ENCODER.encode(text).encode("utf-8")
+
+
 KEEPALIVE = b": keepalive\n\n"
 
 

@@ -8,12 +8,12 @@ reply is the fragments merged.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from sluiceway.actors.emitters.common import (
     DONE,
     error_frame,
+    json_string,
     prompt_entries_wire,
     sse,
     usage_wire,
@@ -231,7 +231,7 @@ class CompletionStreamEncoder:
     def _delta_frame(self, delta: ChoiceDelta) -> bytes:
         if not self._fragments.text_only(delta):
             return self._chunk(self._fragments.fragment(delta))
-        text = json.dumps(delta.content, ensure_ascii=False).encode("utf-8")
+        text = json_string(delta.content)
         return self._head + str(delta.index).encode() + b',"text":' + text + self._tail
 
 
