@@ -1,0 +1,211 @@
+"""A/B the event loop's CPU per streamed token between two code trees (or flags).
+
+    .venv/bin/python bench/loop_ab.py --tree-b ../other-checkout [--phases 16]
+    .venv/bin/python bench/loop_ab.py --args-b='--worker-class trio'
+
+Two servers run at once, each on a stand-in engine that sleeps for a decode
+step instead of computing (``--step-ms``, 16 by default: the large benchmark
+model's pace at concurrency 1), so the cores stay free and what is measured
+is the server's own pipeline. The load goes to one server, then the other,
+in short phases (one request per client each), and for each phase the event
+loop thread's on-CPU time (``/proc/PID/task/PID/schedstat``, nanoseconds) is
+divided by the tokens streamed. Alternating cancels the host's drift, which
+moves whole bench runs by 5-10%: the paired difference resolves about
+±20 µs per token in 16 phases, where separate runs minutes apart did not
+resolve ±60.
+
+A tree is a checkout of this repository (``git worktree add``); it goes
+first on the server's ``sys.path``, so its ``sluiceway`` package is the one
+served. The stand-in engine emits ordinary tokens of the embedded default
+model's vocabulary, one after the other; what matters is that every step
+streams one token per row, as greedy decoding does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from loadgen import Target, run_level, wait_healthy
+
+ROOT = Path(__file__).resolve().parent.parent
+#: The stand-in's tokens: ordinary pieces of the default model's vocabulary.
+FIRST_TOKEN, TOKEN_SPAN = 300, 500
+
+
+class StandInEngine:
+    """The engine interface, with sleeps (the GIL released) for the model."""
+
+    def __init__(self, vocab_size: int, step_seconds: float) -> None:
+        from sluiceway.engines.base import EngineInfo
+
+        self.info = EngineInfo(
+            name="stand-in", device="cpu", dtype="float32", vocab_size=vocab_size, max_context=8192
+        )
+        self._step = step_seconds
+        self._lengths: dict[int, int] = {}
+
+    def _logits(self, slots: Sequence[int]) -> np.ndarray:
+        logits = np.zeros((len(slots), self.info.vocab_size), np.float32)
+        for row, slot in enumerate(slots):
+            logits[row, FIRST_TOKEN + (self._lengths[slot] * 7) % TOKEN_SPAN] = 10.0
+        return logits
+
+    def prefill(self, slot: int, token_ids: Sequence[int], *, all_logits: bool = False) -> Any:
+        self._lengths[slot] = self._lengths.get(slot, 0) + len(token_ids)
+        time.sleep(self._step)
+        logits = self._logits([slot])
+        return np.repeat(logits, len(token_ids), axis=0) if all_logits else logits
+
+    def fork(self, source: int, target: int) -> None:
+        self._lengths[target] = self._lengths[source]
+
+    def decode(self, tokens: Mapping[int, int]) -> Any:
+        from sluiceway.engines.base import DecodeResult
+
+        time.sleep(self._step)
+        slots = tuple(tokens)
+        for slot in slots:
+            self._lengths[slot] += 1
+        return DecodeResult(slots, self._logits(slots))
+
+    def start_decode(self, tokens: Mapping[int, int]) -> Callable[[], Any]:
+        return lambda: self.decode(tokens)
+
+    def free(self, slot: int) -> None:
+        self._lengths.pop(slot, None)
+
+    def undo_decode(self) -> None:
+        for slot in self._lengths:
+            self._lengths[slot] -= 1
+
+    def close(self) -> None:
+        pass
+
+
+def serve_with_stand_in(step_seconds: float, argv: Sequence[str]) -> None:
+    """Run ``sluiceway serve`` in this process with the stand-in engine."""
+    import sluiceway.server.runtime as runtime
+    from sluiceway.server.cli import main
+
+    def make_engine(choice: str, source: Any, *, device: str, dtype: str) -> StandInEngine:
+        return StandInEngine(source.vocab_size, step_seconds)
+
+    runtime.make_engine = make_engine  # type: ignore[assignment]
+    sys.exit(main(["serve", *argv]))
+
+
+@dataclass(slots=True)
+class Server:
+    name: str
+    process: subprocess.Popen[bytes]
+    url: str
+
+    def loop_cpu_ns(self) -> int:
+        pid = self.process.pid
+        return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0])
+
+
+def start(name: str, tree: Path, port: int, model: Path, step_ms: float, args: str) -> Server:
+    env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--serve-step-ms",
+        str(step_ms),
+        "--",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--no-engine-process",
+        "--log-level",
+        "warning",
+        *shlex.split(args),
+    ]
+    log = open(f"/tmp/loop-ab-{name}.log", "wb")  # noqa: SIM115  (the server's lifetime)
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return Server(name, process, f"http://127.0.0.1:{port}")
+
+
+async def phase(server: Server, model: Path, prompts: Any, concurrency: int) -> float:
+    """Stream one request per client; the loop's CPU per streamed token, in µs."""
+    target = Target(server.url, str(model))
+    before = server.loop_cpu_ns()
+    level = await run_level(
+        target, prompts, concurrency=concurrency, requests_per_client=1, max_tokens=128
+    )
+    if level.errors:
+        raise RuntimeError(f"{server.name}: {level.first_errors()}")
+    return (server.loop_cpu_ns() - before) / 1e3 / level.tokens
+
+
+async def compare(args: argparse.Namespace, model: Path) -> dict[str, list[float]]:
+    servers = [
+        start("A", args.tree_a, args.port, model, args.step_ms, args.args_a),
+        start("B", args.tree_b, args.port + 1, model, args.step_ms, args.args_b),
+    ]
+    prompts = (f"request {i}: " + "words " * 40 for i in itertools.count())
+    try:
+        for server in servers:
+            await wait_healthy(server.url, 120, lambda s=server: s.process.poll() is None)
+            await phase(server, model, prompts, args.concurrency)  # warm-up
+        costs: dict[str, list[float]] = {"A": [], "B": []}
+        for index in range(args.phases):
+            for server in servers if index % 2 == 0 else servers[::-1]:
+                costs[server.name].append(await phase(server, model, prompts, args.concurrency))
+        return costs
+    finally:
+        for server in servers:
+            server.process.send_signal(2)
+            server.process.wait()
+
+
+def report(costs: dict[str, list[float]]) -> str:
+    a, b = costs["A"], costs["B"]
+    differences = [y - x for x, y in zip(a, b, strict=True)]
+    error = statistics.stdev(differences) / len(differences) ** 0.5
+    return (
+        f"A: {statistics.mean(a):.0f} µs per token (median {statistics.median(a):.0f}); "
+        f"B: {statistics.mean(b):.0f} (median {statistics.median(b):.0f}); "
+        f"B - A: {statistics.mean(differences):+.0f} ± {error:.0f} µs per token "
+        f"({len(differences)} paired phases)"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tree-a", type=Path, default=ROOT)
+    parser.add_argument("--tree-b", type=Path, default=ROOT)
+    parser.add_argument("--args-a", default="", help="extra flags for server A")
+    parser.add_argument("--args-b", default="", help="extra flags for server B")
+    parser.add_argument("--phases", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--step-ms", type=float, default=16.0)
+    parser.add_argument("--port", type=int, default=8861)
+    parser.add_argument("--serve-step-ms", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("serve_args", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_step_ms is not None:
+        serve_with_stand_in(args.serve_step_ms / 1e3, args.serve_args)
+        return
+    from sluiceway.engines.default_model import default_model_dir
+
+    costs = asyncio.run(compare(args, default_model_dir()))
+    print(report(costs))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""The loop A/B bench's stand-in engine and its report (bench/loop_ab.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+
+from loop_ab import FIRST_TOKEN, StandInEngine, report
+
+
+def test_stand_in_engine_streams_one_token_per_row_and_step() -> None:
+    engine = StandInEngine(vocab_size=1000, step_seconds=0.0)
+    first = engine.prefill(1, [5, 6, 7])
+    assert first.shape == (1, 1000)
+    assert engine.prefill(2, [5, 6], all_logits=True).shape == (2, 1000)
+    engine.fork(1, 3)
+    step = engine.decode({1: int(first.argmax()), 3: int(first.argmax())})
+    assert step.slots == (1, 3)
+    # Forked rows decode alike; every row's next token is an ordinary piece.
+    assert step.logits[0].argmax() == step.logits[1].argmax() >= FIRST_TOKEN
+    again = engine.decode({1: 0, 3: 0})
+    assert again.logits[0].argmax() != step.logits[0].argmax()
+    engine.undo_decode()
+    assert np.array_equal(engine.decode({1: 0, 3: 0}).logits, again.logits)
+    engine.free(3)
+    assert engine.decode({1: 0}).slots == (1,)
+
+
+def test_report_gives_the_paired_difference() -> None:
+    line = report({"A": [500.0, 520.0, 510.0], "B": [450.0, 480.0, 455.0]})
+    assert "A: 510 µs per token" in line
+    assert "B: 462" in line
+    assert "B - A: -48 ± 4 µs per token (3 paired phases)" in line
