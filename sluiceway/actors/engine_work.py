@@ -116,6 +116,8 @@ class EngineThread:
 
     def __init__(self) -> None:
         self._jobs: SimpleQueue[Callable[[], None] | None] = SimpleQueue()
+        # A daemon: a process that ends without close() (a crash, a failed
+        # start-up) must not hang at exit on an engine stuck in a call.
         self._thread = threading.Thread(target=self._serve, name="engine", daemon=True)
         self._thread.start()
 
