@@ -31,11 +31,12 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 from loadgen import Target, run_level, wait_healthy
@@ -56,6 +57,8 @@ class StandInEngine:
         )
         self._step = step_seconds
         self._lengths: dict[int, int] = {}
+        #: The slots of the last decode, which ``undo_decode`` takes back.
+        self._decoded: tuple[int, ...] = ()
 
     def _logits(self, slots: Sequence[int]) -> np.ndarray:
         logits = np.zeros((len(slots), self.info.vocab_size), np.float32)
@@ -79,6 +82,7 @@ class StandInEngine:
         slots = tuple(tokens)
         for slot in slots:
             self._lengths[slot] += 1
+        self._decoded = slots
         return DecodeResult(slots, self._logits(slots))
 
     def start_decode(self, tokens: Mapping[int, int]) -> Callable[[], Any]:
@@ -88,8 +92,10 @@ class StandInEngine:
         self._lengths.pop(slot, None)
 
     def undo_decode(self) -> None:
-        for slot in self._lengths:
-            self._lengths[slot] -= 1
+        # A slot still being prefilled did not decode: it keeps its length.
+        for slot in self._decoded:
+            if slot in self._lengths:
+                self._lengths[slot] -= 1
 
     def close(self) -> None:
         pass
@@ -112,6 +118,7 @@ class Server:
     name: str
     process: subprocess.Popen[bytes]
     url: str
+    log: IO[bytes]
 
     def loop_cpu_ns(self) -> int:
         pid = self.process.pid
@@ -135,9 +142,10 @@ def start(name: str, tree: Path, port: int, model: Path, step_ms: float, args: s
         "warning",
         *shlex.split(args),
     ]
-    log = open(f"/tmp/loop-ab-{name}.log", "wb")  # noqa: SIM115  (the server's lifetime)
+    path = Path(tempfile.gettempdir()) / f"loop-ab-{name}.log"
+    log = open(path, "wb")  # noqa: SIM115  (closed when the server stops)
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return Server(name, process, f"http://127.0.0.1:{port}")
+    return Server(name, process, f"http://127.0.0.1:{port}", log)
 
 
 async def phase(server: Server, model: Path, prompts: Any, concurrency: int) -> float:
@@ -171,6 +179,7 @@ async def compare(args: argparse.Namespace, model: Path) -> dict[str, list[float
         for server in servers:
             server.process.send_signal(2)
             server.process.wait()
+            server.log.close()
 
 
 def report(costs: dict[str, list[float]]) -> str:

@@ -26,6 +26,11 @@ def test_stand_in_engine_streams_one_token_per_row_and_step() -> None:
     assert again.logits[0].argmax() != step.logits[0].argmax()
     engine.undo_decode()
     assert np.array_equal(engine.decode({1: 0, 3: 0}).logits, again.logits)
+    # Undoing takes back only the rows that decoded: slot 2 (prefilled with
+    # two tokens, never decoded) stays at its length.
+    engine.decode({1: 0, 3: 0})
+    engine.undo_decode()
+    assert engine.decode({2: 0}).logits[0].argmax() == FIRST_TOKEN + (3 * 7) % 500
     engine.free(3)
     assert engine.decode({1: 0}).slots == (1,)
 
