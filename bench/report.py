@@ -103,6 +103,14 @@ def verdict(ok: bool) -> str:
     return "**met**" if ok else "**missed**"
 
 
+def spread(ratios: Sequence[float]) -> str:
+    """`` (mean m ± standard error)`` of several rounds' ratios."""
+    if len(ratios) < 3:
+        return ""
+    error = float(np.std(ratios, ddof=1)) / len(ratios) ** 0.5
+    return f" (mean {np.mean(ratios):.3f} ± {error:.3f})"
+
+
 def section_table(section: Section, settings: Settings) -> list[str]:
     lines = [f"### {section.engine} engine, {section.model.key} model ({section.model.label})", ""]
     if section.bare:
@@ -136,7 +144,7 @@ def section_table(section: Section, settings: Settings) -> list[str]:
     for run in section.runs:
         if any(len(ratios) > 1 for ratios in run.paired_ratios.values()):
             rounds = "; ".join(
-                f"c={c}: {', '.join(f'{r:.3f}' for r in ratios)}"
+                f"c={c}: {', '.join(f'{r:.3f}' for r in ratios)}{spread(ratios)}"
                 for c, ratios in run.paired_ratios.items()
             )
             lines.append(f"- {run.server}, decode ÷ bare of each paired round: {rounds}")

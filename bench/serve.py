@@ -9,9 +9,11 @@ One command builds (once, cached) the models, then for each engine:
   greedy, every prompt exactly ``--prompt-tokens`` tokens with the model's
   tokenizer (each request its own prompt), ``max_tokens`` fixed with
   ``ignore_eos``, at concurrency 1, 4, 16, 64, after a warm-up;
-  each of those levels runs ``--paired-rounds`` times (3), each round between
-  two measurements of the bare engine at the same batch size, and the round
-  with the median ratio to the bare engine is reported (all ratios are listed);
+  each of those levels runs ``--paired-rounds`` times (3; at concurrency 1
+  four times as many rounds of one request each), each round between two
+  measurements of the bare engine at the same batch size, and the round with
+  the median ratio to the bare engine is reported (all ratios are listed,
+  with their mean and its standard error);
 * the **peer** on the same model, load and prompts, up at the same time as
   ours: at concurrency 1, 4 and 16 the two take turns round by round (bare,
   ours, bare, peer), the peer's median round by tok/s is reported, and "ahead
@@ -90,8 +92,14 @@ OPENBLAS_GLOBS = (
 )
 BARE_BATCHES = (1, 4, 16)
 #: Requests per client at each concurrency (a closed loop: the next one starts
-#: when the last one ends).
-REQUESTS_PER_CLIENT = {1: 4, 4: 2, 16: 2, 64: 1}
+#: when the last one ends), in each round.
+REQUESTS_PER_CLIENT = {1: 1, 4: 2, 16: 2, 64: 1}
+#: Paired rounds at a concurrency, per ``--paired-rounds``. At concurrency 1 a
+#: round is one request (~2 s on the large model) and there are four times as
+#: many: the host drifts by 5-10% over a round of several requests, as much as
+#: the gap to the bare engine being measured, and short rounds between two
+#: bare measurements cancel most of that drift.
+ROUNDS_SCALE = {1: 4}
 PEER_OF = {"mlx": "mlx_lm.server", "transformers": "transformers serve"}
 
 
@@ -348,13 +356,13 @@ def stop_server(server: Server) -> None:
 
 def run_servers(servers: Sequence[Server], settings: Settings, bare: BareEngine | None) -> None:
     """Every level on every server, taking turns: at the concurrencies the
-    bare engine has a batch size for, ``settings.paired_rounds`` rounds of
+    bare engine has a batch size for, ``rounds_at`` rounds of
     (bare engine, our level, bare engine, the peer's level), so that a drift
     of the host hits every side alike. Each server's reported level is its
     median round (ours: by decode ÷ bare; a peer: by tok/s)."""
     for concurrency in settings.concurrency:
         paired = bare if concurrency in BARE_BATCHES else None
-        rounds = settings.paired_rounds if paired is not None else 1
+        rounds = rounds_at(settings, concurrency) if paired is not None else 1
         results: dict[str, list[tuple[float, Measured]]] = {}
         for _ in range(rounds):
             for server in servers:
@@ -463,7 +471,6 @@ def measure_level(
         wait_quiet(settings.busy)
         before = thread_ticks(pid) if settings.trace else {}
         span = Span.start()
-        cpu = time.process_time()
         level = asyncio.run(
             run_level(
                 target,
@@ -473,13 +480,12 @@ def measure_level(
                 max_tokens=settings.max_tokens,
             )
         )
-        client = (time.process_time() - cpu) / level.wall
         other = span.other_cores()
         after = thread_ticks(pid) if settings.trace else {}
         ticks = {tid: t - before.get(tid, 0) for tid, t in after.items()}
         print(f"  {server:>18} {progress_line(level, other)}", flush=True)
         if best is None or other < best[1]:
-            best = (level, other, client, ticks)
+            best = (level, other, level.client_cpu, ticks)
         if other <= settings.busy:
             break
     assert best is not None
@@ -528,12 +534,18 @@ def make_model(key: str, settings: Settings, prompts_needed: int) -> Model:
     return Model(key, path, label, tuple(prompts))
 
 
+def rounds_at(settings: Settings, concurrency: int) -> int:
+    """Paired rounds at ``concurrency`` (one at a level without a bare batch size)."""
+    if concurrency not in BARE_BATCHES:
+        return 1
+    return settings.paired_rounds * ROUNDS_SCALE.get(concurrency, 1)
+
+
 def prompts_per_server(settings: Settings) -> int:
     """Enough prompts that none repeats within one server's run, retries included."""
     warm = 1 + max(settings.concurrency)
     measured = sum(
-        c * settings.requests_per_client[c] * (settings.paired_rounds if c in BARE_BATCHES else 1)
-        for c in settings.concurrency
+        c * settings.requests_per_client[c] * rounds_at(settings, c) for c in settings.concurrency
     )
     return warm + measured * (1 + settings.retries)
 
@@ -564,8 +576,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--paired-rounds",
         type=int,
         default=3,
-        help="rounds of bare engine / our level / bare engine at concurrency 1, 4, 16 "
-        "(the median round is reported)",
+        help="rounds of bare engine / our level / bare engine at concurrency 4 and 16, "
+        "four times as many (of one request each) at 1; the median round is reported",
     )
     parser.add_argument(
         "--trace",
@@ -658,9 +670,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"(each request its own), max_tokens {settings.max_tokens} "
         f"(`ignore_eos` sent to sluiceway; the peers do not take it, and their tokens are "
         f"counted as received), concurrency {', '.join(map(str, concurrency))} with "
-        f"{', '.join(f'{per_client[c]}' for c in concurrency)} requests per client, after a "
-        f"warm-up. Our levels at concurrency {', '.join(map(str, BARE_BATCHES))} ran "
-        f"{settings.paired_rounds} round(s) each, taking turns with the peer (bare engine, "
+        f"{', '.join(f'{per_client[c]}' for c in concurrency)} requests per client per round, "
+        f"after a warm-up. Our levels at concurrency "
+        f"{', '.join(f'{c} ran {rounds_at(settings, c)}' for c in BARE_BATCHES if c in per_client)} "
+        f"round(s), taking turns with the peer (bare engine, "
         f"our level, bare engine, the peer's level); shown: our round with the median "
         f"decode ÷ bare, the peer's with the median tok/s; *ahead of* the peer is the median "
         f"of the per-round ratios. "

@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import json
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -33,7 +34,9 @@ def _sse(tokens: int, *, crlf: bool = False) -> list[bytes]:
 Respond = Callable[[asyncio.StreamWriter], Awaitable[bool]]
 
 
-async def _serve(respond: Respond, requests: int, concurrency: int = 1) -> tuple[Level, int]:
+async def _serve(
+    respond: Respond, requests: int, concurrency: int = 1, time_limit: float = 10
+) -> tuple[Level, int]:
     """Run ``requests`` streamed requests against a stub server; returns the
     level and how many connections the server accepted."""
     accepted = 0
@@ -41,20 +44,21 @@ async def _serve(respond: Respond, requests: int, concurrency: int = 1) -> tuple
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal accepted
         accepted += 1
-        while True:
-            head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
-            if not head:
-                break
-            length = next(
-                int(line.split(b":")[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length")
-            )
-            body = json.loads(await reader.readexactly(length))
-            assert body["stream"] is True
-            if not await respond(writer):
-                writer.close()
-                return
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+                body = json.loads(await reader.readexactly(length))
+                assert body["stream"] is True
+                if not await respond(writer):
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client closed its connection
+        finally:
+            writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -66,7 +70,7 @@ async def _serve(respond: Respond, requests: int, concurrency: int = 1) -> tuple
             concurrency=concurrency,
             requests_per_client=requests,
             max_tokens=5,
-            request_timeout=10,
+            request_timeout=time_limit,
         )
     return level, accepted
 
@@ -137,3 +141,45 @@ def test_a_connection_closed_before_any_answer_is_retried_then_failed() -> None:
     assert sample.error is not None
     assert "closed the connection" in sample.error
     assert accepted == 3
+
+
+def test_each_event_is_timed_by_the_read_that_completed_it() -> None:
+    """Events arrive 30 ms apart, each split over two chunks sent 30 ms apart:
+    an event's time is its second half's."""
+
+    async def slow(writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for event in _sse(5):
+            for half in (event[:10], event[10:]):
+                writer.write(f"{len(half):x}\r\n".encode() + half + b"\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.03)
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    level, _ = asyncio.run(_serve(slow, requests=1))
+    assert level.errors == 0, level.first_errors()
+    (sample,) = level.samples
+    # Token events are events 1-5 (after the keepalive comment): each
+    # completes 60 ms after the last, the first 90 ms after the reply starts.
+    gaps = [b - a for a, b in itertools.pairwise(sample.arrivals)]
+    assert len(gaps) == 4
+    assert all(0.05 < gap < 0.2 for gap in gaps), gaps
+    assert sample.arrivals[0] - sample.sent > 0.08
+
+
+def test_a_stalled_stream_ends_at_the_time_limit() -> None:
+    async def stall(writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        event = _sse(1)[1]
+        writer.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
+        await writer.drain()
+        await asyncio.sleep(3)
+        return False
+
+    started = time.perf_counter()
+    level, _ = asyncio.run(_serve(stall, requests=1, time_limit=0.5))
+    (sample,) = level.samples
+    assert sample.error is not None
+    assert sample.error.startswith("TimeoutError")
+    assert time.perf_counter() - started < 2.5
