@@ -12,7 +12,10 @@ What the plan may differ in, and how that is met:
 
 - rows that finished or were cancelled are freed: the step taken ahead
   computed them too; their results are dropped and the others kept;
-- prompts to prefill: run as usual; their rows join at a later step;
+- prompts to prefill: run as usual. A row whose prompt a greedy step has just
+  prefilled is foreseeable too (its first token is the prompt's argmax), and
+  joins the decode taken ahead, so a new request does not cost the engine a
+  round trip to the event loop on its first decode;
 - anything else (a row with another token, a row joining, a non-decode call):
   the step is taken back with :meth:`Engine.undo_decode` and the plan runs
   as if nothing had happened.
@@ -114,13 +117,25 @@ class RunAhead:
 
 
 def _prediction(plan: StepPlan, outcome: StepOutcome) -> dict[int, int] | None:
-    """The next step's decode, when the scheduler's next plan is foreseeable."""
-    if not plan.greedy or outcome.decode is None or outcome.decode_greedy is None:
+    """The next step's decode, when the scheduler's next plan is foreseeable:
+    every decoded row with its argmax, and every row whose prompt was just
+    prefilled (its choices' forks too) joining with the prompt's argmax, which
+    is the first token a greedy request takes."""
+    if not plan.greedy:
         return None
-    if any(work.final for work in plan.prefills):
-        return None  # a row joins next step, with a token sampled by the scheduler
-    tokens = outcome.decode_greedy.tolist()
-    return {slot: int(token) for slot, token in zip(outcome.decode.slots, tokens, strict=True)}
+    tokens: dict[int, int] = {}
+    if plan.decode:
+        if outcome.decode is None or outcome.decode_greedy is None:
+            return None
+        decoded = outcome.decode_greedy.tolist()
+        tokens = {
+            slot: int(token) for slot, token in zip(outcome.decode.slots, decoded, strict=True)
+        }
+    for work, prefilled in zip(plan.prefills, outcome.prefills, strict=True):
+        if work.final and prefilled.greedy is not None and prefilled.error is None:
+            first = int(prefilled.greedy[-1])
+            tokens.update(dict.fromkeys((work.slot, *work.forks), first))
+    return tokens or None
 
 
 def _serves(ahead: _Ahead, plan: StepPlan) -> bool:

@@ -84,7 +84,9 @@ class Engine(Protocol):
     def undo_decode(self) -> None:
         """Forget the last :meth:`decode` of every running row, as if it never ran.
 
-        Only valid right after a decode in which no slot joined the batch.
+        Only valid right after a decode. A slot that joined the batch in it
+        stays in the batch, holding its prompt, as a prefilled slot that has
+        not decoded yet; the next decode names it like every running row.
         Decoding ahead (``sluiceway.actors.run_ahead``) uses it to take back a
         step it ran before the scheduler's plan, when the plan asks for
         something else.

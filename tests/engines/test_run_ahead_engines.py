@@ -42,6 +42,29 @@ def test_undo_decode_takes_back_exactly_one_step(engine: Engine, tiny_model: Mod
     np.testing.assert_allclose(changed.logits, reference.logits, atol=1e-5)
 
 
+def test_undo_decode_keeps_a_row_that_joined_in_it(engine: Engine, tiny_model: ModelSource) -> None:
+    """A decode taken back in which a prefilled row joined: the row stays in
+    the batch with its prompt, and the next decode is as if it joined there."""
+    first, second = PROMPTS["short"], PROMPTS["medium"]
+    tokens = {0: int(engine.prefill(0, first)[-1].argmax())}
+    step = engine.decode(tokens)
+    following = {0: int(step.logits[0].argmax()), 1: int(engine.prefill(1, second)[-1].argmax())}
+    engine.decode(following)  # slot 1 joins here
+    engine.undo_decode()
+    other = {slot: (token + 1) % 100 for slot, token in following.items()}
+    changed = engine.decode(other)
+    fresh = make_engine(engine.info.name, tiny_model, device="auto", dtype="auto")
+    try:
+        fresh.prefill(0, first)
+        fresh.decode(tokens)
+        fresh.prefill(1, second)
+        reference = fresh.decode(other)
+    finally:
+        fresh.close()
+    assert changed.slots == reference.slots
+    np.testing.assert_allclose(changed.logits, reference.logits, atol=1e-5)
+
+
 def _prefill(slot: int, prompt: list[int]) -> PrefillWork:
     return PrefillWork(request_id=f"r{slot}", slot=slot, tokens=tuple(prompt), final=True)
 

@@ -41,6 +41,12 @@ class HistoryEngine:
             name="history", device="cpu", dtype="float32", vocab_size=VOCAB, max_context=999
         )
 
+    @property
+    def histories(self) -> dict[int, list[int]]:
+        """Every slot's tokens. A row that joined in a decode taken back stays
+        in the batch, but holds what it held before (its prompt)."""
+        return self.pending | self.running
+
     def prefill(self, slot: int, token_ids: Sequence[int], *, all_logits: bool = False) -> Logits:
         history = self.pending.setdefault(slot, [])
         history.extend(token_ids)
@@ -145,14 +151,12 @@ def test_running_ahead_is_invisible(draw: st.DataObject, steps: int) -> None:
         expected = execute(plain, plan)
         got = runner.execute(plan)
         same_outcome(expected, got)
-        assert ahead.running == plain.running
-        assert ahead.pending == plain.pending
+        assert ahead.histories == plain.histories
         schedule.absorb(plan, got)
         if draw.draw(st.booleans(), label="decode ahead"):
             runner.run_ahead(plan, got)
     runner.settle()
-    assert ahead.running == plain.running
-    assert ahead.pending == plain.pending
+    assert ahead.histories == plain.histories
 
 
 def test_steady_greedy_steps_are_served_from_ahead() -> None:
@@ -207,3 +211,36 @@ def test_the_handover_comes_between_starting_and_finishing_the_decode() -> None:
     outcome = runner.execute(sampled)
     runner.run_ahead(sampled, outcome, lambda: engine.log.append("handover"))
     assert engine.log == ["handover"]
+
+
+def test_a_prefilled_row_and_its_forks_join_the_decode_taken_ahead() -> None:
+    engine = HistoryEngine()
+    runner = RunAhead(engine)
+    prompt = PrefillWork(request_id="r0", slot=0, tokens=(1, 2), final=True, forks=(1,))
+    plan = StepPlan(prefills=(prompt,), greedy=True)
+    outcome = runner.execute(plan)
+    runner.run_ahead(plan, outcome)
+    assert engine.decodes == 1
+    assert outcome.prefills[0].greedy is not None
+    first = int(outcome.prefills[0].greedy[-1])
+    joined = runner.execute(StepPlan(decode={0: first, 1: first}, greedy=True))
+    assert (runner.served, runner.taken_back) == (1, 0)
+    assert joined.decode is not None
+    assert joined.decode.slots == (0, 1)
+    # A first token the scheduler sampled otherwise: the step is taken back.
+    runner.run_ahead(StepPlan(decode={0: first, 1: first}, greedy=True), joined)
+    runner.execute(StepPlan(decode={0: 3, 1: 4}))
+    assert (runner.served, runner.taken_back) == (1, 1)
+    assert engine.histories == {0: [1, 2, first, 3], 1: [1, 2, first, 4]}
+
+
+def test_a_failed_prefill_does_not_join() -> None:
+    engine = HistoryEngine()
+    runner = RunAhead(engine)
+    plan = StepPlan(
+        prefills=(PrefillWork(request_id="r0", slot=0, tokens=(1,), final=True),), greedy=True
+    )
+    outcome = runner.execute(plan)
+    outcome.prefills[0].error = "prefill failed: out of memory"
+    runner.run_ahead(plan, outcome)
+    assert engine.decodes == 0
