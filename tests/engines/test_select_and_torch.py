@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from sluiceway.engines import torch_engine
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.mlx_engine import MlxEngine
 from sluiceway.engines.select import choose_engine, in_child_process_by_default, make_engine
@@ -21,6 +22,7 @@ from sluiceway.engines.torch_engine import (
     resolve_dtype,
 )
 from tests.engines.helpers import greedy_alone
+from tests.engines.test_parity import PROMPTS
 
 
 def test_auto_prefers_torch_on_a_cpu_only_linux_host(caplog: pytest.LogCaptureFixture) -> None:
@@ -160,3 +162,31 @@ def test_masked_decode_attention_matches_transformers_sdpa() -> None:
 def test_the_cpu_engine_uses_its_own_attention(tiny_model: ModelSource) -> None:
     engine = TransformersEngine(tiny_model, device="cpu", dtype="float32")
     assert engine._model.config._attn_implementation == "sluiceway_sdpa"
+
+
+@pytest.mark.parametrize("keep_bytes", [2**40, 0])
+def test_an_emptied_batch_is_reused_up_to_a_size_and_leaks_nothing(
+    tiny_model: ModelSource, monkeypatch: pytest.MonkeyPatch, keep_bytes: int
+) -> None:
+    """A long request leaves the batch; a short one joins the buffers it
+    left (or fresh ones, over the size kept) and decodes as if alone."""
+    monkeypatch.setattr(torch_engine, "KEEP_IDLE_BATCH_BYTES", keep_bytes)
+    engine = TransformersEngine(tiny_model, device="cpu", dtype="float32")
+    long_prompt, short_prompt = PROMPTS["long"], PROMPTS["short"]
+    token = int(engine.prefill(0, long_prompt)[-1].argmax())
+    for _ in range(3):
+        token = int(engine.decode({0: token}).logits[0].argmax())
+    left_behind = engine._batch
+    engine.free(0)
+    assert (engine._batch is left_behind) == (keep_bytes > 0)
+    first = int(engine.prefill(1, short_prompt)[-1].argmax())
+    steps = [engine.decode({1: first}).logits[0]]
+    steps.append(engine.decode({1: int(steps[0].argmax())}).logits[0])
+    # The window started afresh: it does not creep right request after request.
+    assert engine._batch is not None
+    assert engine._batch.end == len(short_prompt) + 2
+    alone = TransformersEngine(tiny_model, device="cpu", dtype="float32")
+    alone.prefill(1, short_prompt)
+    expected = [alone.decode({1: first}).logits[0]]
+    expected.append(alone.decode({1: int(expected[0].argmax())}).logits[0])
+    np.testing.assert_allclose(np.stack(steps), np.stack(expected), atol=1e-5)
