@@ -9,8 +9,7 @@ One command builds (once, cached) the models, then for each engine:
   greedy, every prompt exactly ``--prompt-tokens`` tokens with the model's
   tokenizer (each request its own prompt), ``max_tokens`` fixed with
   ``ignore_eos``, at concurrency 1, 4, 16, 64, after a warm-up;
-  each of those levels runs ``--paired-rounds`` times (3; at concurrency 1
-  four times as many rounds of one request each), each round between two
+  each of those levels runs ``--paired-rounds`` times (3), each round between two
   measurements of the bare engine at the same batch size, and the round with
   the median ratio to the bare engine is reported (all ratios are listed,
   with their mean and its standard error);
@@ -92,14 +91,13 @@ OPENBLAS_GLOBS = (
 )
 BARE_BATCHES = (1, 4, 16)
 #: Requests per client at each concurrency (a closed loop: the next one starts
-#: when the last one ends), in each round.
-REQUESTS_PER_CLIENT = {1: 1, 4: 2, 16: 2, 64: 1}
-#: Paired rounds at a concurrency, per ``--paired-rounds``. At concurrency 1 a
-#: round is one request (~2 s on the large model) and there are four times as
-#: many: the host drifts by 5-10% over a round of several requests, as much as
-#: the gap to the bare engine being measured, and short rounds between two
-#: bare measurements cancel most of that drift.
-ROUNDS_SCALE = {1: 4}
+#: when the last one ends), in each round. Rounds of one request at
+#: concurrency 1 were tried (twelve of them, for less drift within a round):
+#: each then met a server idle for seconds (the wait for a quiet host, the
+#: bare engine's turn), and the tiny model's ratios fell from ~0.8 to ~0.67,
+#: the peers' alike. A closed-loop client keeps the server busy; so do rounds
+#: of four.
+REQUESTS_PER_CLIENT = {1: 4, 4: 2, 16: 2, 64: 1}
 PEER_OF = {"mlx": "mlx_lm.server", "transformers": "transformers serve"}
 
 
@@ -536,9 +534,7 @@ def make_model(key: str, settings: Settings, prompts_needed: int) -> Model:
 
 def rounds_at(settings: Settings, concurrency: int) -> int:
     """Paired rounds at ``concurrency`` (one at a level without a bare batch size)."""
-    if concurrency not in BARE_BATCHES:
-        return 1
-    return settings.paired_rounds * ROUNDS_SCALE.get(concurrency, 1)
+    return settings.paired_rounds if concurrency in BARE_BATCHES else 1
 
 
 def prompts_per_server(settings: Settings) -> int:
@@ -576,8 +572,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--paired-rounds",
         type=int,
         default=3,
-        help="rounds of bare engine / our level / bare engine at concurrency 4 and 16, "
-        "four times as many (of one request each) at 1; the median round is reported",
+        help="rounds of bare engine / our level / bare engine at concurrency 1, 4, 16 "
+        "(the median round is reported)",
     )
     parser.add_argument(
         "--trace",
@@ -671,9 +667,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"(`ignore_eos` sent to sluiceway; the peers do not take it, and their tokens are "
         f"counted as received), concurrency {', '.join(map(str, concurrency))} with "
         f"{', '.join(f'{per_client[c]}' for c in concurrency)} requests per client per round, "
-        f"after a warm-up. Our levels at concurrency "
-        f"{', '.join(f'{c} ran {rounds_at(settings, c)}' for c in BARE_BATCHES if c in per_client)} "
-        f"round(s), taking turns with the peer (bare engine, "
+        f"after a warm-up. Our levels at concurrency {', '.join(map(str, BARE_BATCHES))} ran "
+        f"{settings.paired_rounds} round(s) each, taking turns with the peer (bare engine, "
         f"our level, bare engine, the peer's level); shown: our round with the median "
         f"decode ÷ bare, the peer's with the median tok/s; *ahead of* the peer is the median "
         f"of the per-round ratios. "
