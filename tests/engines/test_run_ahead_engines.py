@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
 from sluiceway.actors.engine_work import EngineThread, PrefillWork, StepOutcome, StepPlan, execute
 from sluiceway.actors.run_ahead import SteppingThread
-from sluiceway.engines.base import Engine
+from sluiceway.engines.base import DecodeResult, Engine
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.select import make_engine
 from tests.engines.test_parity import PROMPTS
@@ -30,16 +32,14 @@ def test_undo_decode_takes_back_exactly_one_step(engine: Engine, tiny_model: Mod
     engine.undo_decode()
     other = {slot: (token + 1) % 100 for slot, token in following.items()}
     changed = engine.decode(other)
-    fresh = make_engine(engine.info.name, tiny_model, device="auto", dtype="auto")
-    try:
+
+    def never_taken_back(fresh: Engine) -> DecodeResult:
         fresh.prefill(0, first)
         fresh.prefill(1, second)
         fresh.decode(tokens)
-        reference = fresh.decode(other)
-    finally:
-        fresh.close()
-    assert changed.slots == reference.slots
-    np.testing.assert_allclose(changed.logits, reference.logits, atol=1e-5)
+        return fresh.decode(other)
+
+    _same(changed, _on_a_fresh_engine(engine, tiny_model, never_taken_back))
 
 
 def test_undo_decode_keeps_a_row_that_joined_in_it(engine: Engine, tiny_model: ModelSource) -> None:
@@ -53,16 +53,29 @@ def test_undo_decode_keeps_a_row_that_joined_in_it(engine: Engine, tiny_model: M
     engine.undo_decode()
     other = {slot: (token + 1) % 100 for slot, token in following.items()}
     changed = engine.decode(other)
-    fresh = make_engine(engine.info.name, tiny_model, device="auto", dtype="auto")
-    try:
+
+    def joined_later(fresh: Engine) -> DecodeResult:
         fresh.prefill(0, first)
         fresh.decode(tokens)
         fresh.prefill(1, second)
-        reference = fresh.decode(other)
+        return fresh.decode(other)
+
+    _same(changed, _on_a_fresh_engine(engine, tiny_model, joined_later))
+
+
+def _on_a_fresh_engine(
+    engine: Engine, tiny_model: ModelSource, script: Callable[[Engine], DecodeResult]
+) -> DecodeResult:
+    fresh = make_engine(engine.info.name, tiny_model, device="auto", dtype="auto")
+    try:
+        return script(fresh)
     finally:
         fresh.close()
-    assert changed.slots == reference.slots
-    np.testing.assert_allclose(changed.logits, reference.logits, atol=1e-5)
+
+
+def _same(got: DecodeResult, expected: DecodeResult) -> None:
+    assert got.slots == expected.slots
+    np.testing.assert_allclose(got.logits, expected.logits, atol=1e-5)
 
 
 def _prefill(slot: int, prompt: list[int]) -> PrefillWork:
