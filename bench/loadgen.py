@@ -131,7 +131,7 @@ class Connection:
         self._socket: socket.socket | None = None
         #: Bytes read past what has been parsed.
         self._buffer = b""
-        self._deadline = self._timeout_for = math.inf
+        self._deadline = math.inf
         self.arrived = 0.0
 
     def post(self, path: str, payload: bytes, deadline: float) -> Reply:
@@ -145,6 +145,9 @@ class Connection:
             except OSError as error:
                 raise NoResponse(f"{type(error).__name__}: {error}") from error
             self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # One timeout for the whole exchange, set once rather than per read (a
+        # streamed reply is read some hundred times); reads check the deadline.
+        self._socket.settimeout(max(0.001, deadline - time.perf_counter()))
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
             "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
@@ -174,11 +177,6 @@ class Connection:
             data, self._buffer = self._buffer, b""
             return data
         assert self._socket is not None
-        # One timeout for the whole reply (set here once, not per read: a
-        # streamed reply is read some hundred times), checked after each read.
-        if self._timeout_for != self._deadline:
-            self._socket.settimeout(max(0.001, self._deadline - time.perf_counter()))
-            self._timeout_for = self._deadline
         data = self._socket.recv(65536)
         self.arrived = time.perf_counter()
         if self.arrived > self._deadline:
@@ -204,7 +202,6 @@ class Connection:
             self._socket.close()
         self._socket = None
         self._buffer = b""
-        self._timeout_for = math.inf
 
 
 def _readable(sock: socket.socket) -> bool:
