@@ -4,6 +4,12 @@ Continuous batching uses mlx-lm's left-padded ``BatchKVCache``: a prefilled
 slot keeps its own per-layer ``KVCache`` until its first decode, when it is
 merged into the running batch (``extend``); a freed slot is filtered out of
 the batch without touching the other rows.
+
+A row that runs alone decodes on its own ``KVCache`` instead: the batched
+cache builds a padding mask and keeps per-row offsets every step, which cost
+~2% of a decode step at batch 1 on a 42M-parameter model. The lone row is
+merged into a ``BatchKVCache`` when a second row joins, and taken back out
+when the batch is down to one row again.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ class MlxEngine:
         self._mx = mx
         self._model, config = load_model(source.path)
         self._pending: dict[int, list[Any]] = {}
+        #: The running rows' per-layer caches: one ``KVCache`` per layer while
+        #: a single row runs, a ``BatchKVCache`` per layer otherwise.
         self._batch: list[Any] | None = None
         self._order: list[int] = []
         device = mx.default_device()
@@ -108,6 +116,9 @@ class MlxEngine:
             self._batch = None
             return
         assert self._batch is not None
+        if len(keep) == 1:
+            self._batch = [layer.extract(keep[0]) for layer in self._batch]
+            return
         indices = self._mx.array(keep)
         for layer in self._batch:
             layer.filter(indices)
@@ -123,14 +134,18 @@ class MlxEngine:
         joining = [slot for slot in tokens if slot not in self._order]
         if not joining:
             return
-        per_layer = zip(*(self._pending.pop(slot) for slot in joining), strict=True)
-        merged = [
-            BatchKVCache.merge(list(layer_caches))  # type: ignore[no-untyped-call]
-            for layer_caches in per_layer
-        ]
-        if self._batch is None:
-            self._batch = merged
+        caches = [self._pending.pop(slot) for slot in joining]
+        if self._batch is None and len(caches) == 1:
+            (self._batch,) = caches
+        elif self._batch is None or len(self._order) == 1:
+            # A lone row's plain caches are merged together with the new ones.
+            if self._batch is not None:
+                caches.insert(0, self._batch)
+            self._batch = [
+                BatchKVCache.merge(list(layer_caches))  # type: ignore[no-untyped-call]
+                for layer_caches in zip(*caches, strict=True)
+            ]
         else:
-            for running, new in zip(self._batch, merged, strict=True):
-                running.extend(new)
+            for running, layer_caches in zip(self._batch, zip(*caches, strict=True), strict=True):
+                running.extend(BatchKVCache.merge(list(layer_caches)))  # type: ignore[no-untyped-call]
         self._order.extend(joining)

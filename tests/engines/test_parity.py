@@ -94,6 +94,22 @@ def test_rows_join_and_leave_mid_batch(engine: Engine) -> None:
         assert_same_trace(trace, alone[slot], f"slot {slot}")
 
 
+@pytest.mark.parametrize("survivor", [10, 11])
+def test_a_batch_down_to_one_row_and_back(engine: Engine, survivor: int) -> None:
+    """One row alone, a second joins, either leaves, a third joins the one
+    left: the mlx engine changes the lone row's cache at each of these."""
+    prompts = {10: PROMPTS["medium"], 11: PROMPTS["short"], 12: prompt(7, 20)}
+    leaver = 21 - survivor
+    joins = {0: [10], 3: [11], 8: [12]}
+    leaves = {5: [leaver], 11: [survivor]}
+    steps = 14
+    alone = {slot: greedy_alone(engine, tokens, steps + 1) for slot, tokens in prompts.items()}
+    traces = run_schedule(engine, prompts, joins, leaves, steps)
+    assert sorted(slot for slot, _ in traces) == [10, 11, 12]
+    for slot, trace in traces:
+        assert_same_trace(trace, alone[slot], f"slot {slot}")
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_schedules_match_rows_alone(engine: Engine, seed: int) -> None:
     rng = np.random.default_rng(seed)
