@@ -47,7 +47,9 @@ the trace cannot see), so a traced mlx run measures that placement.
 mlx on Linux uses its bundled reference BLAS, which is very slow; when
 Debian's OpenBLAS is installed (``apt-get install libopenblas0-pthread``) every
 mlx process here -- ours, the peer and the bare loop -- runs with it preloaded
-(``LD_PRELOAD``), unless ``--no-openblas``.
+(``LD_PRELOAD``), unless ``--no-openblas``, and with the environment our
+server gives its mlx engine process (``OPENBLAS_THREAD_TIMEOUT``: idle OpenBLAS
+threads sleep instead of spinning; +14% for the bare loop at batch 1).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ from report import OURS, Model, Section, ServerRun, Settings, render
 from trace_server import summarise, thread_roles
 
 from sluiceway.engines.default_model import default_model_dir
+from sluiceway.engines.select import process_environment
 
 HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
@@ -121,6 +124,9 @@ def env_for(engine: str, settings: Settings) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     if engine == "mlx" and settings.openblas:
         env["LD_PRELOAD"] = settings.openblas
+        # What our server gives its engine process, given to the bare loop and
+        # the peer as well, so that the comparison is of the same BLAS set-up.
+        env = process_environment(engine) | env
     return env
 
 

@@ -23,9 +23,10 @@ import contextlib
 import functools
 import logging
 import multiprocessing
+import os
 import signal
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -59,6 +60,8 @@ class EngineSpec:
     dtype: str
     log_level: str = "info"
     log_format: str = logging.BASIC_FORMAT
+    #: Set in the child's environment where the parent's does not set them.
+    environment: Mapping[str, str] = field(default_factory=dict)
 
 
 class ProcessEngine:
@@ -72,7 +75,8 @@ class ProcessEngine:
         self._process = context.Process(
             target=_child_main, args=(child_end, spec), name="sluiceway-engine", daemon=True
         )
-        self._process.start()
+        with _environment_added(spec.environment):
+            self._process.start()
         child_end.close()
         try:
             self._info: EngineInfo = self._receive()
@@ -175,6 +179,21 @@ class _Failed:
 
     async def result(self) -> StepOutcome:
         return self.outcome
+
+
+@contextlib.contextmanager
+def _environment_added(variables: Mapping[str, str]) -> Iterator[None]:
+    """``variables`` that are not set yet, in ``os.environ`` while a child is
+    spawned (it inherits the environment when it starts: some libraries read
+    their settings only as they load)."""
+    added = [name for name in variables if name not in os.environ]
+    for name in added:
+        os.environ[name] = variables[name]
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def _child_main(conn: Connection, spec: EngineSpec) -> None:

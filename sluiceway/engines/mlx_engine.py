@@ -26,6 +26,15 @@ from sluiceway.engines.loader import ModelSource
 #: Prompt positions per forward pass while prefilling, to bound peak memory.
 PREFILL_STEP = 512
 
+#: Environment for a process that runs this engine, where not already set.
+#: When mlx's CPU backend runs on OpenBLAS (preloaded), OpenBLAS keeps its
+#: idle threads spinning for 2**28 cycles after each call; with 2 cores, the
+#: spinning takes the CPU that mlx's graph building and the server need between
+#: matrix products. Sleeping after 2**8 cycles measured +14% decode at batch 1
+#: on the benchmark model (the bare loop; unchanged at 4, 16 and 64). Only read
+#: when OpenBLAS loads, so it must be in place before the process starts.
+PROCESS_ENVIRONMENT = {"OPENBLAS_THREAD_TIMEOUT": "8"}
+
 
 class MlxEngine:
     def __init__(self, source: ModelSource) -> None:

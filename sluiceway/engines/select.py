@@ -51,6 +51,16 @@ def in_child_process_by_default(name: str) -> bool:
     return name == "mlx" and not _metal_available()
 
 
+def process_environment(name: str) -> dict[str, str]:
+    """Environment variables a child process running engine ``name`` starts with
+    (each only where the server's own environment does not set it)."""
+    if name != "mlx":
+        return {}
+    from sluiceway.engines.mlx_engine import PROCESS_ENVIRONMENT
+
+    return dict(PROCESS_ENVIRONMENT)
+
+
 def make_engine(choice: str, source: ModelSource, *, device: str, dtype: str) -> Engine:
     """Build the engine ``choice`` names for ``source`` (``auto`` is resolved
     by :func:`choose_engine`; a resolved name is not logged again).

@@ -27,7 +27,12 @@ from sluiceway.actors.scheduler import Scheduler, SchedulerConfig, SchedulerHand
 from sluiceway.engines.base import Engine
 from sluiceway.engines.default_model import default_model_dir
 from sluiceway.engines.loader import ModelSource, freeze_heap, resolve_model
-from sluiceway.engines.select import choose_engine, in_child_process_by_default, make_engine
+from sluiceway.engines.select import (
+    choose_engine,
+    in_child_process_by_default,
+    make_engine,
+    process_environment,
+)
 from sluiceway.engines.tokenizer import ModelTokenizer
 from sluiceway.protocol.messages import LogitsStep, SampledStep
 from sluiceway.server.config import LOG_FORMAT, ServerConfig
@@ -99,6 +104,7 @@ def _start_engine(config: ServerConfig, source: ModelSource) -> Engine:
         dtype=config.dtype,
         log_level=config.log_level,
         log_format=LOG_FORMAT,
+        environment=process_environment(name),
     )
     return ProcessEngine(spec)
 

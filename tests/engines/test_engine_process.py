@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from sluiceway.actors.engine_process import EngineProcessError, EngineSpec, ProcessEngine
 from sluiceway.actors.engine_work import PrefillWork, StepPlan, execute
 from sluiceway.engines.loader import ModelSource
-from sluiceway.engines.select import make_engine
+from sluiceway.engines.select import make_engine, process_environment
 from tests.engines.conftest import ENGINES
 from tests.engines.helpers import greedy_alone
 from tests.engines.test_parity import PROMPTS
@@ -144,3 +146,33 @@ def test_a_greedy_decode_crosses_the_pipe_as_plain_values() -> None:
     # Sampled steps send their logits.
     sampled = StepOutcome(prefills=[], decode=DecodeResult((7,), logits[:1]))
     assert _for_pipe(StepPlan(decode={7: 1}), sampled) is sampled
+
+
+def _report_environment(names: list[str], queue: Any) -> None:
+    queue.put({name: os.environ.get(name) for name in names})
+
+
+def test_the_child_starts_with_the_engines_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Variables the parent does not set reach the spawned child, and only it;
+    the parent's own settings win."""
+    import multiprocessing
+
+    from sluiceway.actors.engine_process import _environment_added
+
+    monkeypatch.setenv("SLUICEWAY_TEST_KEPT", "parent")
+    monkeypatch.delenv("SLUICEWAY_TEST_ADDED", raising=False)
+    names = ["SLUICEWAY_TEST_ADDED", "SLUICEWAY_TEST_KEPT"]
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    with _environment_added({"SLUICEWAY_TEST_ADDED": "child", "SLUICEWAY_TEST_KEPT": "spec"}):
+        child = context.Process(target=_report_environment, args=(names, queue))
+        child.start()
+    try:
+        seen = queue.get(timeout=60)
+    finally:
+        child.join(10)
+    assert seen == {"SLUICEWAY_TEST_ADDED": "child", "SLUICEWAY_TEST_KEPT": "parent"}
+    assert "SLUICEWAY_TEST_ADDED" not in os.environ
+    assert os.environ["SLUICEWAY_TEST_KEPT"] == "parent"
+    assert "OPENBLAS_THREAD_TIMEOUT" in process_environment("mlx")
+    assert process_environment("transformers") == {}
