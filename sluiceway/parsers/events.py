@@ -25,6 +25,11 @@ class Channel(enum.Enum):
     TOOL_CALL = "tool_call"
     DROPPED = "dropped"
 
+    # Channels key the assembler's dicts several times per token; Enum's own
+    # hash is a Python-level call. Members are singletons compared by
+    # identity, so the identity hash is consistent with equality.
+    __hash__ = object.__hash__
+
 
 #: The channels a client sees, in the order they appear within one delta.
 VISIBLE_CHANNELS = (Channel.REASONING, Channel.CONTENT, Channel.TOOL_CALL)
