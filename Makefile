@@ -1,49 +1,90 @@
 # `make serve` and `make test` work on a fresh machine with only Python 3.11+:
-# both create .venv and install the project first.
+# both create .venv and install the project first, every package at the
+# version requirements.lock pins (`make lock` regenerates it; see README).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip --disable-pip-version-check
+LOCK := requirements.lock
 STAMP := $(VENV)/.installed
 TORCH_STAMP := $(VENV)/.installed-torch
-# The CPU build of torch that lies on this machine's disk; an unpinned torch
-# can pull a multi-GB CUDA build. The tests run every engine, so they need it;
-# `make serve` does not install it (with torch present, --engine auto uses it).
-TORCH_PIN ?= torch==2.13.0
+# The newest releases pyproject.toml allows, ignoring the lock (`make test-latest`).
+LATEST := .venv-latest
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint typecheck pytest bench clean
+.PHONY: serve test lint typecheck check-lock pytest test-latest lock lock-upgrade bench clean
 
-$(STAMP): pyproject.toml Makefile
+# The build tools come first, from the lock, so that the editable install
+# builds without fetching unlocked ones into an isolated environment.
+$(STAMP): pyproject.toml Makefile $(LOCK)
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "sluiceway needs Python 3.11 or newer")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PIP) install --quiet -c $(LOCK) pip setuptools wheel
+	$(PIP) install --quiet -c $(LOCK) --no-build-isolation -e '.[test]'
 	touch $(STAMP)
 
+# torch is an optional extra (an unpinned torch can pull a multi-GB CUDA
+# build); the lock pins the CPU build that lies on this machine's disk. The
+# tests run every engine, so they need it; `make serve` does not install it
+# (with torch present, --engine auto uses it).
 $(TORCH_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check '$(TORCH_PIN)'
+	$(PIP) install --quiet -c $(LOCK) torch
 	touch $(TORCH_STAMP)
 
 serve: $(STAMP)
 	$(BIN)/sluiceway serve $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check sluiceway tests bench
-	$(BIN)/ruff format --check sluiceway tests bench
+	$(BIN)/ruff check sluiceway tests bench scripts
+	$(BIN)/ruff format --check sluiceway tests bench scripts
 
 # With torch installed, so that mypy sees the same types everywhere.
 typecheck: $(TORCH_STAMP)
 	$(BIN)/mypy
 
+# What is installed is what the lock says, and nothing else.
+check-lock: $(TORCH_STAMP)
+	$(BIN)/python scripts/check_lock.py $(LOCK)
+
 pytest: $(TORCH_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # pytest's exit code 5 (nothing collected) fails this target like any other.
-test: lint typecheck pytest
+test: lint typecheck check-lock pytest
+
+# Types and the suite on the newest releases that pyproject.toml allows, in a
+# virtualenv of their own, ignoring the lock: a registry release that breaks
+# us shows here first. Not part of CI (a release must not block a landing).
+# torch stays at the locked CPU build: the registry's newest is a CUDA build
+# of several GB.
+test-latest: $(STAMP)
+	rm -rf $(LATEST)
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(LATEST)/bin/python -m pip install --quiet --disable-pip-version-check --upgrade -e '.[test]' \
+		"$$(grep '^torch==' $(LOCK))"
+	$(LATEST)/bin/python -m pip list --disable-pip-version-check --format=freeze > $(LATEST)/installed.txt
+	-$(BIN)/python scripts/check_lock.py $(LOCK) --python $(LATEST)/bin/python
+	cd $(CURDIR) && $(LATEST)/bin/mypy
+	$(LATEST)/bin/python -m pytest $(PYTEST_ARGS)
+
+# Regenerate the lock after a change to pyproject.toml or lock.in, keeping
+# every other pin; `make lock-upgrade` moves every pin to its newest release.
+UV_COMPILE = $(BIN)/uv pip compile --quiet --universal --python-version 3.11 \
+	pyproject.toml lock.in --extra test --extra torch -o $(LOCK)
+
+lock: $(STAMP)
+	$(PIP) install --quiet -c $(LOCK) uv
+	$(UV_COMPILE)
+
+lock-upgrade: $(STAMP)
+	$(PIP) install --quiet -c $(LOCK) uv
+	$(UV_COMPILE) --upgrade
 
 # The serving benchmark (bench/serve.py); see README for the others.
 bench: $(TORCH_STAMP)
 	$(BIN)/python bench/serve.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST) .pytest_cache .mypy_cache .ruff_cache

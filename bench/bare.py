@@ -46,6 +46,8 @@ def torch_loop(model_dir: str) -> Callable[[int, int], Step]:
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
+    from sluiceway.engines.torch_engine import cache_keyword
+
     if "OMP_NUM_THREADS" not in os.environ:  # as the engine does
         torch.set_num_threads(len(os.sched_getaffinity(0)))
     model = AutoModelForCausalLM.from_pretrained(
@@ -53,16 +55,17 @@ def torch_loop(model_dir: str) -> Callable[[int, int], Step]:
     )
     model.eval()
     vocab = int(model.config.vocab_size)
+    keyword = cache_keyword(model)
 
     def start(batch: int, prompt: int) -> Step:
         cache = DynamicCache(config=model.config)
         with torch.inference_mode():
-            out = model(input_ids=torch.tensor(rows(batch, prompt, vocab)), past_key_values=cache)
+            out = model(input_ids=torch.tensor(rows(batch, prompt, vocab)), **{keyword: cache})
         state = {"next": out.logits[:, -1].argmax(-1, keepdim=True)}
 
         def step() -> None:
             with torch.inference_mode():
-                logits = model(input_ids=state["next"], past_key_values=cache).logits
+                logits = model(input_ids=state["next"], **{keyword: cache}).logits
                 state["next"] = logits[:, -1].argmax(-1, keepdim=True)
 
         return step

@@ -66,15 +66,18 @@ def bare_loop(model: Any, batch: int, prompt: int) -> tuple[Step, Callable[[], N
     import torch
     from transformers import DynamicCache
 
+    from sluiceway.engines.torch_engine import cache_keyword
+
+    keyword = cache_keyword(model)
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
         rows = prompts(batch, length=prompt)
-        out = model(input_ids=torch.tensor(rows), past_key_values=cache)
+        out = model(input_ids=torch.tensor(rows), **{keyword: cache})
     state = {"next": out.logits[:, -1].argmax(-1, keepdim=True)}
 
     def step() -> None:
         with torch.inference_mode():
-            logits = model(input_ids=state["next"], past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=state["next"], use_cache=True, **{keyword: cache}).logits
             state["next"] = logits[:, -1].argmax(-1, keepdim=True)
 
     return step, cache.reset

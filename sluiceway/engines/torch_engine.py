@@ -46,6 +46,7 @@ of a decode step is one in-place write per layer.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -381,6 +382,7 @@ class TransformersEngine:
         self._dtype = resolve_dtype(dtype, source.config, self._device)
         use_all_cores(self._device)
         self._model = _load_model(source, self._device, self._dtype)
+        self._cache_keyword = cache_keyword(self._model)
         self._layouts = _probe_layouts(self._model, self._device)
         self._ready_masks = _full_attention_only(self._model.config)
         self._pending: dict[int, KVRows] = {}
@@ -481,9 +483,9 @@ class TransformersEngine:
             input_ids=ids,
             position_ids=positions,
             attention_mask=mask,
-            past_key_values=rows.cache,
             use_cache=True,
             logits_to_keep=keep,
+            **{self._cache_keyword: rows.cache},
         )
         rows.advance(length)
         logits: torch.Tensor = output.logits
@@ -508,6 +510,17 @@ def _to_numpy(logits: torch.Tensor) -> Logits:
     return array
 
 
+def cache_keyword(model: Any) -> str:
+    """The keyword under which ``model.forward`` takes its KV cache.
+
+    transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name
+    warns, and goes in 5.40). This is the one place that knows: every forward
+    call of the engine and of the benchmarks passes its cache under this name.
+    """
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 def _full_attention_only(config: Any) -> bool:
     """Whether every attention layer sees the whole past (no sliding or chunked window)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -528,8 +541,9 @@ def _probe_layouts(model: Any, device: torch.device) -> tuple[LayerLayout, ...]:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     with torch.inference_mode():
-        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=cache)
+        model(input_ids=ids, **{cache_keyword(model): cache})
     layouts = []
     for layer in cache.layers:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         "engine_process": "run the engine in a child process with an interpreter (and GIL) "
         "of its own, instead of on a thread of the server's process (default: a child "
         "process for mlx on the CPU, the thread otherwise)",
+        "host": "address to bind",
+        "port": "port to bind",
         "worker_class": "Hypercorn worker class",
         "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
         "max_body_bytes": "largest request body accepted (413 beyond)",
@@ -99,11 +101,17 @@ def serve(config: ServerConfig) -> None:
         asyncio.run(asyncio_serve(app, hyper))
 
 
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The configuration that ``serve``'s parsed flags describe."""
+    return ServerConfig(
+        **{spec.name: getattr(args, spec.name) for spec in dataclasses.fields(ServerConfig)}
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    values = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(ServerConfig)}
     try:
-        config = ServerConfig(**values)
+        config = config_from_args(args)
     except ValueError as error:
         print(f"sluiceway: {error}", file=sys.stderr)
         return 2

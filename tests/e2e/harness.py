@@ -16,6 +16,19 @@ import httpx
 
 STARTUP_SECONDS = 180
 
+#: The server as the tests start it: deprecations are errors there too, as in
+#: the suite itself, so that a registry release deprecating an API we call
+#: fails here (start-up or the request that makes the call) and not silently.
+SERVER_COMMAND = (
+    sys.executable,
+    "-W",
+    "error::DeprecationWarning",
+    "-W",
+    "error::FutureWarning",
+    "-m",
+    "sluiceway",
+)
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -62,7 +75,7 @@ def start_server(
     name: str = "test-model",
     extra_args: Sequence[str] = (),
     through_hypercorn_cli: bool = False,
-    launcher: Sequence[str] = (sys.executable, "-m", "sluiceway"),
+    launcher: Sequence[str] = SERVER_COMMAND,
 ) -> RunningServer:
     """Start ``sluiceway serve`` (through ``launcher``, a command that takes the
     CLI's arguments); or, with ``through_hypercorn_cli``, the ``hypercorn``
@@ -135,3 +148,66 @@ def serving(
         yield running
     finally:
         running.stop()
+
+
+#: Streamed tokens timed to learn a server's decode pace.
+PACE_TOKENS = 200
+_paces: dict[str, float] = {}
+
+
+def seconds_per_token(server: RunningServer) -> float:
+    """How long the server takes per token of one lone greedy stream (timed
+    once per server), so that a test can tell "stopped at once" from "ran to
+    the end" on any machine."""
+    if server.base_url not in _paces:
+        body = {
+            "model": server.model,
+            "messages": [{"role": "user", "content": "pace"}],
+            "max_tokens": PACE_TOKENS + 1,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
+        stamps: list[float] = []
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream("POST", server.base_url + "/v1/chat/completions", json=body) as reply,
+        ):
+            for line in reply.iter_lines():
+                if line.startswith("data: {") and '"content":' in line:
+                    stamps.append(time.monotonic())
+        assert len(stamps) > PACE_TOKENS // 2, "the pace stream produced too few chunks"
+        _paces[server.base_url] = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    return _paces[server.base_url]
+
+
+def scheduler_state(server: RunningServer) -> dict[str, int]:
+    state: dict[str, int] = server.health()["scheduler"]  # type: ignore[assignment]
+    return state
+
+
+def context_room(server: RunningServer, prompt: int = 64) -> int:
+    """Tokens a request with a prompt of at most ``prompt`` tokens may
+    generate: leaving out ``max_tokens`` asks for all of them."""
+    card = httpx.get(f"{server.api_url}/models/{server.model}", timeout=10).json()
+    return int(card["max_model_len"]) - prompt
+
+
+def assert_freed_promptly(server: RunningServer, left: int, since: float) -> float:
+    """Wait until no request runs, and check that this came far sooner than
+    generating the ``left`` tokens the abandoned request still had would
+    take: a server that ignored the disconnect and ran to ``max_tokens``
+    fails. Returns the seconds it took."""
+    would_take = left * seconds_per_token(server)
+    deadline = since + max(would_take * 1.5, 5.0)
+    while True:
+        state = scheduler_state(server)
+        if state["running_requests"] == 0 and state["running_sequences"] == 0:
+            break
+        assert time.monotonic() < deadline, f"still running: {state}"
+        time.sleep(0.02)
+    took = time.monotonic() - since
+    assert took < 0.25 * would_take, (
+        f"freed after {took:.2f} s; generating the {left} tokens left takes ~{would_take:.2f} s"
+    )
+    return took

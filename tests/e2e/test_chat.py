@@ -15,7 +15,14 @@ import pytest
 from httpx_sse import connect_sse
 
 from tests.e2e import schemas
-from tests.e2e.harness import RunningServer, start_server
+from tests.e2e.harness import (
+    RunningServer,
+    assert_freed_promptly,
+    context_room,
+    scheduler_state,
+    seconds_per_token,
+    start_server,
+)
 
 MESSAGES = [{"role": "user", "content": "Tell me about rivers."}]
 
@@ -261,25 +268,17 @@ def test_bad_requests_do_not_disturb_a_running_stream(server: RunningServer) -> 
     assert anyio.run(main) == reference
 
 
-def wait_until_idle(server: RunningServer, seconds: float = 10.0) -> dict[str, Any]:
-    deadline = time.monotonic() + seconds
-    while True:
-        scheduler: dict[str, Any] = server.health()["scheduler"]  # type: ignore[assignment]
-        if scheduler["running_requests"] == 0 and scheduler["running_sequences"] == 0:
-            return scheduler
-        assert time.monotonic() < deadline, f"still running: {scheduler}"
-        time.sleep(0.05)
-
-
 def wait_until_running(server: RunningServer, seconds: float = 10.0) -> None:
     deadline = time.monotonic() + seconds
-    while server.health()["scheduler"]["running_sequences"] == 0:  # type: ignore[index]
+    while scheduler_state(server)["running_sequences"] == 0:
         assert time.monotonic() < deadline, "the request never started"
         time.sleep(0.02)
 
 
 def test_disconnect_mid_stream_frees_the_slot(server: RunningServer) -> None:
-    body = chat_body(server, max_tokens=4000, ignore_eos=True, stream=True)
+    seconds_per_token(server)  # timed before, on an idle server
+    body = chat_body(server, ignore_eos=True, stream=True)
+    del body["max_tokens"]  # the whole context: far more than the test waits for
     with (
         httpx.Client(timeout=60) as client,
         client.stream("POST", server.api_url + "/chat/completions", json=body) as response,
@@ -289,11 +288,15 @@ def test_disconnect_mid_stream_frees_the_slot(server: RunningServer) -> None:
         while seen < 3:
             seen += next(lines).startswith("data: ")
         # Leaving the block closes the connection mid-reply.
-    wait_until_idle(server)
+    closed = time.monotonic()
+    assert_freed_promptly(server, left=context_room(server), since=closed)
 
 
 def test_disconnect_while_waiting_for_a_whole_reply_frees_the_slot(server: RunningServer) -> None:
-    payload = json.dumps(chat_body(server, max_tokens=4000, ignore_eos=True)).encode()
+    seconds_per_token(server)
+    body = chat_body(server, ignore_eos=True)
+    del body["max_tokens"]
+    payload = json.dumps(body).encode()
     host, port = server.base_url.removeprefix("http://").split(":")
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
@@ -302,7 +305,8 @@ def test_disconnect_while_waiting_for_a_whole_reply_frees_the_slot(server: Runni
     with socket.create_connection((host, int(port))) as connection:
         connection.sendall(head + payload)
         wait_until_running(server)
-    wait_until_idle(server)
+    closed = time.monotonic()
+    assert_freed_promptly(server, left=context_room(server), since=closed)
 
 
 @pytest.mark.parametrize("worker_class", ["asyncio", "trio"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import gc
 from typing import Any
 
@@ -10,8 +12,8 @@ import pytest
 from sluiceway.engines.loader import freeze_heap
 from sluiceway.protocol.chat import ChatRequest
 from sluiceway.protocol.errors import InvalidRequest, MethodNotAllowed, NotFound
-from sluiceway.server.cli import build_parser
-from sluiceway.server.config import ServerConfig
+from sluiceway.server.cli import build_parser, config_from_args
+from sluiceway.server.config import CHOICES, ServerConfig
 from sluiceway.server.routing import Router
 from sluiceway.server.validation import parse_request, stop_strings
 
@@ -46,13 +48,43 @@ def test_bad_environment_is_refused(environ: dict[str, str]) -> None:
         ServerConfig.from_env(environ)
 
 
-def test_every_config_field_has_a_flag() -> None:
-    args = build_parser().parse_args(
-        ["serve", "--max-body-bytes", "10", "--no-return-tokens-as-token-ids"]
-    )
-    assert args.max_body_bytes == 10
-    assert args.return_tokens_as_token_ids is False
-    assert args.worker_class == "asyncio"
+def _other_value(spec: dataclasses.Field[Any], default: Any) -> tuple[Any, list[str], str]:
+    """A value other than the field's default, as flags and as an environment value."""
+    flag = "--" + spec.name.replace("_", "-")
+    if spec.name in CHOICES:
+        value = next(choice for choice in CHOICES[spec.name] if choice != default)
+        return value, [flag, value], value
+    if "bool" in str(spec.type):
+        value = not default
+        return value, [flag if value else "--no-" + flag[2:]], "yes" if value else "no"
+    if isinstance(default, float):
+        value = default + 1.5
+        return value, [flag, str(value)], str(value)
+    if isinstance(default, int):
+        value = default + 3
+        return value, [flag, str(value)], str(value)
+    return "some-value", [flag, "some-value"], "some-value"
+
+
+def test_every_config_field_has_a_flag_and_a_variable() -> None:
+    """Each field of the config, set through its flag or its environment
+    variable, reaches the config; each flag says what it does."""
+    parser = build_parser()
+    defaults = ServerConfig()
+    assert config_from_args(parser.parse_args(["serve"])) == defaults
+    serve = next(
+        action for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+    ).choices["serve"]
+    helps = {action.dest: action.help for action in serve._actions}
+    for spec in dataclasses.fields(ServerConfig):
+        default = getattr(defaults, spec.name)
+        value, flags, raw = _other_value(spec, default)
+        assert helps.get(spec.name), f"{spec.name} has no flag with a help text"
+        config = config_from_args(parser.parse_args(["serve", *flags]))
+        assert getattr(config, spec.name) == value, flags
+        assert dataclasses.replace(config, **{spec.name: default}) == defaults, flags
+        environ = {"SLUICEWAY_" + spec.name.upper(): raw}
+        assert getattr(ServerConfig.from_env(environ), spec.name) == value, environ
 
 
 @pytest.mark.parametrize(
