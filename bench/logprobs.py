@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 import anyio
 from models import logprobs_model
+from sluiceway.surfaces.openai.chat_encoder import ChatReplyConfig, ChatStreamEncoder
 
 from sluiceway.actors import output
-from sluiceway.actors.emitters.chat import ChatReplyConfig, ChatStreamEncoder
 from sluiceway.actors.engine_work import EngineThread
 from sluiceway.actors.output import OutputConfig
 from sluiceway.actors.scheduler import SchedulerConfig, SchedulerHandle

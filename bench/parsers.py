@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sluiceway.parsers.detokenizer import TokenTable
 from sluiceway.parsers.pipeline import ChoicePipeline
 from sluiceway.parsers.registry import TextPathOptions, ToolSchema, build_pipeline
+from sluiceway.protocol.tokens import TokenTable
 
 WORDS = [
     "the ",

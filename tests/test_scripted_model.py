@@ -79,7 +79,7 @@ def torch_model(source: ModelSource) -> Any:
 
 
 def chat_prompt(tokenizer: ModelTokenizer, scripted: ScriptedModel, name: str) -> list[int]:
-    render = tokenizer.render_chat(
+    render = tokenizer.chat.render(
         MESSAGES, tools=TOOLS, template_kwargs=scripted.chat_kwargs(name)
     )
     return tokenizer.encode(render.text)
@@ -186,10 +186,10 @@ def test_template_is_the_default_plus_selector(
                 chat_template=chat_template(),
                 **kwargs,
             )
-            plain = tokenizer.render_chat(messages, tools=tools, template_kwargs=kwargs)
+            plain = tokenizer.chat.render(messages, tools=tools, template_kwargs=kwargs)
             assert plain.text == default
             for name in NAMES:
-                render = tokenizer.render_chat(
+                render = tokenizer.chat.render(
                     messages, tools=tools, template_kwargs=kwargs | scripted.chat_kwargs(name)
                 )
                 assert render.text == default + scripted.selector(name)
@@ -199,7 +199,7 @@ def test_template_is_the_default_plus_selector(
 
 def test_unknown_script_is_a_template_error(tokenizer: ModelTokenizer) -> None:
     with pytest.raises(jinja2.TemplateError, match="unknown script"):
-        tokenizer.render_chat(MESSAGES, template_kwargs={"script": "nope"})
+        tokenizer.chat.render(MESSAGES, template_kwargs={"script": "nope"})
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -237,7 +237,7 @@ def test_mlx_raw_prompt_selector_and_long_context(
 def test_mlx_without_selector_ends_at_once(
     scripted: ScriptedModel, tokenizer: ModelTokenizer, mlx_engine: MlxEngine
 ) -> None:
-    prompt = tokenizer.encode(tokenizer.render_chat(MESSAGES).text)
+    prompt = tokenizer.encode(tokenizer.chat.render(MESSAGES).text)
     assert mlx_greedy(mlx_engine, prompt, 5, scripted.eos_id) == [scripted.eos_id]
 
 

@@ -10,7 +10,6 @@ for that choice in the meantime are not counted.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -20,7 +19,6 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from sluiceway.actors.channels import MailboxReader, put
 from sluiceway.parsers.assembler import Chunk
-from sluiceway.parsers.detokenizer import TokenTable
 from sluiceway.parsers.events import Channel
 from sluiceway.parsers.pipeline import ChoicePipeline
 from sluiceway.protocol.messages import (
@@ -43,6 +41,7 @@ from sluiceway.protocol.messages import (
     TopLogprob,
     Usage,
 )
+from sluiceway.protocol.tokens import TokenTable
 
 
 class ChoiceFinisher(Protocol):
@@ -60,31 +59,27 @@ class OutputConfig:
     table: TokenTable
     make_pipeline: Callable[[], ChoicePipeline]
     logprobs: bool
-    tokens_as_ids: bool = False
     #: Keep the text of a stop token id in the output.
     include_stop_token_text: bool = False
 
 
 class EntryFactory:
-    """Turns id-level logprobs into client entries with text and exact bytes."""
+    """Turns id-level logprobs into entries with text, id and exact bytes."""
 
-    def __init__(self, table: TokenTable, tokens_as_ids: bool) -> None:
+    def __init__(self, table: TokenTable) -> None:
         self._table = table
-        self._tokens_as_ids = tokens_as_ids
-
-    def token(self, token_id: int) -> str:
-        if self._tokens_as_ids:
-            return f"token_id:{token_id}"
-        return self._table.display(token_id)
 
     def entry(self, token_id: int, logprob: TokenLogprob) -> LogprobEntry:
+        table = self._table
         return LogprobEntry(
-            token=self.token(token_id),
+            token=table.display(token_id),
             token_id=token_id,
             logprob=logprob.logprob,
-            bytes=tuple(self._table.bytes_of(token_id)),
+            bytes=tuple(table.bytes_of(token_id)),
             top_logprobs=tuple(
-                TopLogprob(token=self.token(t), logprob=v, bytes=tuple(self._table.bytes_of(t)))
+                TopLogprob(
+                    token=table.display(t), token_id=t, logprob=v, bytes=tuple(table.bytes_of(t))
+                )
                 for t, v in logprob.top
             ),
             requested=logprob.requested,
@@ -137,14 +132,12 @@ class ChoiceOutput:
             cause, matched = FinishCause.STOP_STRING, self.pipeline.stopped_by
         deltas = self._deltas(done.chunks)
         final = self._delta(done.final)
-        reason = cause.finish_reason
-        if self.called_tools and reason == "stop":
-            reason = "tool_calls"
         deltas.append(
             ChoiceDelta(
                 index=self.index,
                 logprobs=final.logprobs,
-                finish_reason=reason,
+                finish=cause,
+                called_tools=self.called_tools,
                 matched_stop=matched,
             )
         )
@@ -155,12 +148,7 @@ class ChoiceOutput:
 
     def _delta(self, chunk: Chunk) -> ChoiceDelta:
         calls = tuple(
-            ToolCallDelta(
-                index=f.index,
-                arguments=f.arguments,
-                name=f.name,
-                id=None if f.name is None else f"call_{secrets.token_hex(12)}",
-            )
+            ToolCallDelta(index=f.index, arguments=f.arguments, name=f.name)
             for f in chunk.tool_calls
         )
         if calls:
@@ -201,7 +189,7 @@ class RequestOutputs:
     def __init__(self, config: OutputConfig, scheduler: ChoiceFinisher) -> None:
         self._config = config
         self._scheduler = scheduler
-        self._entries = EntryFactory(config.table, config.tokens_as_ids)
+        self._entries = EntryFactory(config.table)
         self._choices = [
             ChoiceOutput(
                 index=config.index_offset + i,

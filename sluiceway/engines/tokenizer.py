@@ -1,6 +1,6 @@
 """The model's tokenizer: chat template rendering, encoding, and the exact
-bytes of every token id (the :class:`TokenTable` the detokenizer and the
-logprob entries use)."""
+bytes of every token id (the ``TokenTable`` the detokenizer and the logprob
+entries use)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from sluiceway.parsers.detokenizer import TokenTable
+from sluiceway.protocol.tokens import TokenTable
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -105,6 +105,85 @@ class ChatRender:
     assistant_prefix: str
 
 
+#: The conversation the generation prefix is measured on.
+_PROBE = ({"role": "user", "content": "hi"},)
+
+
+class ChatTemplate:
+    """The model's chat template, rendered the one way the server renders
+    it: transformers' ``apply_chat_template`` on the model's tokenizer
+    (special tokens such as ``bos_token`` are in scope, as the template's
+    authors expect). Prompts and parser detection both render through it."""
+
+    def __init__(self, hf: Any, template: str | None = None) -> None:
+        """``template`` overrides the tokenizer's own (None: use its own)."""
+        self._hf = hf
+        self._override = template
+        self.source: str | None = template or getattr(hf, "chat_template", None)
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> ChatRender:
+        """Render a conversation with the generation prompt appended.
+
+        The assistant prefix is what rendering with the generation prompt adds
+        over rendering without it; parsers are primed with it (it tells, for
+        instance, whether the template already opened ``<think>``).
+        """
+        if not self.source:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        kwargs = dict(template_kwargs or {})
+        text = self._apply(messages, tools, True, kwargs)
+        bare = self._apply(messages, tools, False, kwargs)
+        prefix = text[len(bare) :] if text.startswith(bare) else ""
+        return ChatRender(text, prefix)
+
+    def generation_prefix(self, template_kwargs: Mapping[str, Any] | None = None) -> str | None:
+        """What the template adds for the generation prompt after one user
+        message (None when it cannot render, or the addition is not a suffix)."""
+        if not self.source:
+            return None
+        kwargs = dict(template_kwargs or {})
+        try:
+            text = self._apply(_PROBE, None, True, kwargs)
+            bare = self._apply(_PROBE, None, False, kwargs)
+        except Exception:  # a template that cannot render tells nothing
+            return None
+        return text[len(bare) :] if text.startswith(bare) else None
+
+    def generation_prefixes(self) -> tuple[str, ...]:
+        """The generation prefix with the thinking switch unset, on and off
+        (those that render): what parser detection reads."""
+        settings: tuple[dict[str, bool], ...] = (
+            {},
+            {"enable_thinking": True},
+            {"enable_thinking": False},
+        )
+        prefixes = (self.generation_prefix(kwargs) for kwargs in settings)
+        return tuple(prefix for prefix in prefixes if prefix is not None)
+
+    def _apply(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        generation_prompt: bool,
+        kwargs: dict[str, Any],
+    ) -> str:
+        rendered = self._hf.apply_chat_template(
+            [dict(message) for message in messages],
+            tools=list(tools) if tools else None,
+            chat_template=self._override,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+            **kwargs,
+        )
+        return str(rendered)
+
+
 class ModelTokenizer:
     """A Hugging Face tokenizer plus what streaming needs of it."""
 
@@ -118,6 +197,7 @@ class ModelTokenizer:
         self.table = build_token_table(json.loads(backend.to_str()), vocab_size)
         self.eos_ids = frozenset(_eos_ids(model_dir, self.hf))
         self.chat_template: str | None = getattr(self.hf, "chat_template", None)
+        self.chat = ChatTemplate(self.hf)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self.hf.encode(text, add_special_tokens=False)
@@ -131,42 +211,9 @@ class ModelTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.table.decode(ids)
 
-    def render_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> ChatRender:
-        """Render a conversation with the generation prompt appended.
-
-        The assistant prefix is what rendering with the generation prompt adds
-        over rendering without it; parsers are primed with it (it tells, for
-        instance, whether the template already opened ``<think>``).
-        """
-        if not self.chat_template:
-            raise ValueError("this model has no chat template; use /v1/completions")
-        kwargs = dict(template_kwargs or {})
-        text = self._apply(messages, tools, True, kwargs)
-        bare = self._apply(messages, tools, False, kwargs)
-        prefix = text[len(bare) :] if text.startswith(bare) else ""
-        return ChatRender(text, prefix)
-
-    def _apply(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None,
-        generation_prompt: bool,
-        kwargs: dict[str, Any],
-    ) -> str:
-        rendered = self.hf.apply_chat_template(
-            list(messages),
-            tools=list(tools) if tools else None,
-            add_generation_prompt=generation_prompt,
-            tokenize=False,
-            **kwargs,
-        )
-        return str(rendered)
+    def vocabulary(self) -> frozenset[str]:
+        """Every token's string form (added tokens included)."""
+        return frozenset(self.hf.get_vocab())
 
 
 def _eos_ids(model_dir: Path, hf: Any) -> set[int]:

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from sluiceway.parsers.assembler import Chunk, ChunkAssembler
-from sluiceway.parsers.detokenizer import IncrementalDetokenizer, TokenTable
+from sluiceway.parsers.detokenizer import IncrementalDetokenizer
 from sluiceway.parsers.events import Channel, Event, content
+from sluiceway.protocol.tokens import TokenTable
 
 
 class TextStage(Protocol):

@@ -39,6 +39,9 @@ from sluiceway.parsers.stages import (
 
 OPEN_TAG = "<think>"
 CLOSE_TAG = "</think>"
+#: Appended to a prompt that leaves reasoning open, to force what follows
+#: (a tool call) out of it: the close tag and the blank line templates write.
+FORCED_CLOSE = CLOSE_TAG + "\n\n"
 
 
 class ReasoningState(enum.Enum):

@@ -7,22 +7,24 @@ each choice (stages are stateful, so they are never shared).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol, TypeVar
 
-from sluiceway.parsers.detokenizer import TokenTable
+from sluiceway.parsers import reasoning
+from sluiceway.parsers.events import Channel
 from sluiceway.parsers.pipeline import ChoicePipeline, StopStage, TextStage
-from sluiceway.parsers.reasoning import deepseek_r1, qwen3
 from sluiceway.parsers.stages import ParserError
 from sluiceway.parsers.stop import StopMatcher
 from sluiceway.parsers.tools import hermes, qwen3_coder
 from sluiceway.parsers.tools.base import ToolSchema
+from sluiceway.protocol.tokens import TokenTable
 
 __all__ = [
     "REASONING_PARSERS",
     "TOOL_PARSERS",
+    "ParserChoice",
     "PrimedStage",
     "TextPathOptions",
     "ToolParserFactory",
@@ -31,6 +33,7 @@ __all__ = [
     "build_pipeline",
     "build_stages",
     "detect_parsers",
+    "forced_reasoning_close",
     "forced_tool_prefix",
 ]
 
@@ -55,7 +58,7 @@ class ToolParserFactory(Protocol):
 
 
 REASONING_PARSERS: Mapping[str, Callable[[], PrimedStage]] = MappingProxyType(
-    {"qwen3": qwen3, "deepseek_r1": deepseek_r1}
+    {"qwen3": reasoning.qwen3, "deepseek_r1": reasoning.deepseek_r1}
 )
 
 TOOL_PARSERS: Mapping[str, ToolParserFactory] = MappingProxyType(
@@ -65,6 +68,19 @@ TOOL_PARSERS: Mapping[str, ToolParserFactory] = MappingProxyType(
 _FORCED_PREFIXES: Mapping[str, Callable[[str | None], str]] = MappingProxyType(
     {"hermes": hermes.forced_prefix, "qwen3_coder": qwen3_coder.forced_prefix}
 )
+
+#: What closes an open reasoning block before a forced tool call.
+_FORCED_CLOSES: Mapping[str, str] = MappingProxyType(
+    {"qwen3": reasoning.FORCED_CLOSE, "deepseek_r1": reasoning.FORCED_CLOSE}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ParserChoice:
+    """The reasoning and tool-call parsers the server runs (None: none)."""
+
+    reasoning: str | None
+    tools: str | None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,9 +103,9 @@ def build_stages(options: TextPathOptions) -> tuple[tuple[TextStage, ...], StopS
     """Fresh, primed stages in pipeline order (reasoning, stop, tools), and the stop stage."""
     stages: list[TextStage] = []
     if options.reasoning_parser is not None:
-        reasoning = _lookup(REASONING_PARSERS, options.reasoning_parser, "reasoning")()
-        reasoning.prime(options.assistant_prefix + options.forced_prefix)
-        stages.append(reasoning)
+        thinking = _lookup(REASONING_PARSERS, options.reasoning_parser, "reasoning")()
+        thinking.prime(options.assistant_prefix + options.forced_prefix)
+        stages.append(thinking)
     stop: StopStage | None = None
     if options.stop:
         stop = StopMatcher(
@@ -119,20 +135,44 @@ def forced_tool_prefix(tool_parser: str, name: str | None) -> str:
     return _lookup(_FORCED_PREFIXES, tool_parser, "tool")(name)
 
 
+def forced_reasoning_close(reasoning_parser: str | None, assistant_prefix: str) -> str:
+    """What a forced tool call's prefix starts with: the close of the
+    reasoning block the assistant prefix left open (a forced call cannot
+    start inside reasoning), or nothing."""
+    if reasoning_parser is None:
+        return ""
+    stage = _lookup(REASONING_PARSERS, reasoning_parser, "reasoning")()
+    stage.prime(assistant_prefix)
+    if stage.open_channel(Channel.CONTENT) is not Channel.REASONING:
+        return ""
+    return _FORCED_CLOSES[reasoning_parser]
+
+
 def detect_parsers(
-    chat_template: str | None, vocabulary: Collection[str]
+    chat_template: str | None, vocabulary: Collection[str], generation_prefixes: Iterable[str]
 ) -> tuple[str | None, str | None]:
     """The (reasoning, tool) parsers a model's template and vocabulary call for,
-    each only where the evidence is unambiguous (else ``None``)."""
+    each only where the evidence is unambiguous (else ``None``).
+
+    ``generation_prefixes`` are what the template adds for the generation
+    prompt, rendered by the tokenizer with the thinking switch unset, on and
+    off (those that render): they tell whether the output always starts
+    inside reasoning.
+    """
     if not chat_template:
         return None, None
-    return _detect_reasoning(chat_template, vocabulary), _detect_tools(chat_template, vocabulary)
+    return (
+        _detect_reasoning(chat_template, vocabulary, tuple(generation_prefixes)),
+        _detect_tools(chat_template, vocabulary),
+    )
 
 
-def _detect_reasoning(template: str, vocabulary: Collection[str]) -> str | None:
+def _detect_reasoning(
+    template: str, vocabulary: Collection[str], prefixes: tuple[str, ...]
+) -> str | None:
     if "<think>" not in vocabulary or "</think>" not in vocabulary or "think" not in template:
         return None
-    return "deepseek_r1" if _always_opens_think(template) else "qwen3"
+    return "deepseek_r1" if _always_opens_think(prefixes) else "qwen3"
 
 
 def _detect_tools(template: str, vocabulary: Collection[str]) -> str | None:
@@ -141,36 +181,11 @@ def _detect_tools(template: str, vocabulary: Collection[str]) -> str | None:
     return "qwen3_coder" if "<function=" in template else "hermes"
 
 
-def _always_opens_think(template: str) -> bool:
+def _always_opens_think(prefixes: tuple[str, ...]) -> bool:
     """Whether the generation prompt opens ``<think>`` whatever the thinking switch says."""
-    prefixes = [_generation_prefix(template, thinking) for thinking in (None, True, False)]
-    rendered = [prefix for prefix in prefixes if prefix is not None]
-    return bool(rendered) and all(
-        prefix.rfind("<think>") > prefix.rfind("</think>") for prefix in rendered
+    return bool(prefixes) and all(
+        prefix.rfind("<think>") > prefix.rfind("</think>") for prefix in prefixes
     )
-
-
-def _generation_prefix(template: str, enable_thinking: bool | None) -> str | None:
-    """What the template adds for ``add_generation_prompt`` (None when it cannot render)."""
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    environment.globals["raise_exception"] = raise_exception
-    messages = [{"role": "user", "content": "hi"}]
-    extra: dict[str, bool] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    try:
-        compiled = environment.from_string(template)
-        without = compiled.render(messages=messages, add_generation_prompt=False, **extra)
-        with_prompt = compiled.render(messages=messages, add_generation_prompt=True, **extra)
-    except TemplateError:
-        return None
-    if not with_prompt.startswith(without):
-        return None
-    return with_prompt[len(without) :]
 
 
 def _lookup(registry: Mapping[str, _T], name: str, kind: str) -> _T:

@@ -1,17 +1,34 @@
-"""Errors a client can cause, as a typed hierarchy.
+"""Errors a request can end in, as a typed hierarchy.
 
-Each carries the HTTP status and the OpenAI error ``type``/``param``/``code``;
-only ``sluiceway.server`` turns them into response bodies.
+Each carries the HTTP status, a neutral :class:`ErrorKind`, the parameter it
+is about and a machine-readable code. No API's spelling lives here: each
+surface's error renderer (``sluiceway.surfaces.<name>``) turns the kind into
+its own ``type`` and body (OpenAI's ``{"error": {...}}``, Anthropic's
+``{"type": "error", "error": {...}}``).
 """
 
 from __future__ import annotations
 
+import enum
 
-class ClientError(Exception):
-    """A request the server refuses because of something the client sent."""
 
-    status: int = 400
-    error_type: str = "invalid_request_error"
+class ErrorKind(enum.Enum):
+    """What went wrong, in neutral terms; each surface spells it."""
+
+    INVALID_REQUEST = "invalid_request"
+    AUTHENTICATION = "authentication"
+    NOT_FOUND = "not_found"
+    REQUEST_TOO_LARGE = "request_too_large"
+    RATE_LIMITED = "rate_limited"
+    OVERLOADED = "overloaded"
+    SERVER = "server"
+
+
+class ApiError(Exception):
+    """An error that ends a request with a status and an error body."""
+
+    status: int = 500
+    kind: ErrorKind = ErrorKind.SERVER
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -20,23 +37,31 @@ class ClientError(Exception):
         self.code = code
 
 
+class ClientError(ApiError):
+    """A request the server refuses because of something the client sent
+    (or, for the 429/503 kinds, because of the moment it sent it)."""
+
+    status = 400
+    kind = ErrorKind.INVALID_REQUEST
+
+
 class InvalidRequest(ClientError):
     """Malformed JSON, a missing or mistyped field, or an out-of-range value."""
 
 
 class AuthenticationFailed(ClientError):
     status = 401
-    error_type = "authentication_error"
+    kind = ErrorKind.AUTHENTICATION
 
 
 class NotFound(ClientError):
     status = 404
-    error_type = "not_found_error"
+    kind = ErrorKind.NOT_FOUND
 
 
 class MethodNotAllowed(ClientError):
     status = 405
-    error_type = "invalid_request_error"
+    kind = ErrorKind.INVALID_REQUEST
 
     def __init__(self, message: str, *, allowed: tuple[str, ...]) -> None:
         super().__init__(message, code="method_not_allowed")
@@ -45,14 +70,14 @@ class MethodNotAllowed(ClientError):
 
 class PayloadTooLarge(ClientError):
     status = 413
-    error_type = "invalid_request_error"
+    kind = ErrorKind.REQUEST_TOO_LARGE
 
 
 class Overloaded(ClientError):
     """The waiting queue is full; the client should retry later."""
 
     status = 429
-    error_type = "rate_limit_error"
+    kind = ErrorKind.OVERLOADED
 
     def __init__(self, message: str, *, retry_after_seconds: int = 1) -> None:
         super().__init__(message, code="queue_full")
@@ -61,4 +86,8 @@ class Overloaded(ClientError):
 
 class ServiceUnavailable(ClientError):
     status = 503
-    error_type = "server_error"
+    kind = ErrorKind.SERVER
+
+
+class InternalError(ApiError):
+    """The server failed on its own (an unhandled exception): 500."""

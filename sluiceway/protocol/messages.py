@@ -65,15 +65,15 @@ class Limits:
 
 
 class FinishCause(enum.Enum):
+    """Why a choice ended; each surface's encoder spells it (a finish or stop
+    reason, a status)."""
+
     EOS = "eos"
     STOP_TOKEN = "stop_token"
     STOP_STRING = "stop_string"
     MAX_TOKENS = "max_tokens"
+    #: The request ended before the choice did (the scheduler cut it off).
     CANCELLED = "cancelled"
-
-    @property
-    def finish_reason(self) -> str:
-        return "length" if self is FinishCause.MAX_TOKENS else "stop"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -231,13 +231,15 @@ RequestOutput = StepOutput | PromptScores | RequestFailed
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TopLogprob:
     token: str
+    token_id: int
     logprob: float
     bytes: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LogprobEntry:
-    """A token's logprob entry, with text, as the client sees it."""
+    """A token's logprob entry, with its text (``token``: the token's bytes
+    as a string) and id; a surface may show the id instead of the text."""
 
     token: str
     token_id: int
@@ -249,9 +251,11 @@ class LogprobEntry:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ToolCallDelta:
+    """A fragment of one tool call; the first carries the function ``name``
+    (the surface's encoder mints the call's id there)."""
+
     index: int
     arguments: str
-    id: str | None = None
     name: str | None = None
 
 
@@ -266,14 +270,17 @@ class ChoiceLogprobs:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChoiceDelta:
-    """A delta of one choice; ``finish_reason`` is set on the choice's last."""
+    """A delta of one choice; ``finish`` is set on the choice's last, with
+    whether the choice called tools and what stop (string or token id)
+    ended it. Each surface's encoder spells the cause."""
 
     index: int
     content: str = ""
     reasoning: str = ""
     tool_calls: tuple[ToolCallDelta, ...] = ()
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
+    finish: FinishCause | None = None
+    called_tools: bool = False
     matched_stop: str | int | None = None
 
 

@@ -1,20 +1,22 @@
 """The ASGI application: lifespan (load the model, run the pipeline) and
-HTTP dispatch with error mapping. Only this layer turns typed client errors
-into OpenAI error bodies."""
+HTTP dispatch. Each route belongs to a surface, which reads the request's
+API key and renders its errors; this layer speaks no API's dialect."""
 
 from __future__ import annotations
 
 import functools
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import anyio
 
 from sluiceway.actors.scheduler import SchedulerConfig, SchedulerHandle
-from sluiceway.protocol.errors import AuthenticationFailed, ClientError, NotFound
+from sluiceway.protocol.errors import ApiError, AuthenticationFailed, InternalError, NotFound
 from sluiceway.server.config import ServerConfig
-from sluiceway.server.handlers import chat, completions, info
+from sluiceway.server.exchange import HttpCall
+from sluiceway.server.health import health
 from sluiceway.server.http import (
     ClientDisconnected,
     Message,
@@ -22,19 +24,60 @@ from sluiceway.server.http import (
     Scope,
     Send,
     send_error,
-    send_server_error,
 )
 from sluiceway.server.parsing import choose_parsers
-from sluiceway.server.routing import Handler, Router
+from sluiceway.server.routing import Router, merge_routes
 from sluiceway.server.runtime import LoadedModel, PipelineOptions, load_model, run_pipeline
 from sluiceway.server.state import ServerState
+from sluiceway.surfaces.base import Serving, Surface, SurfaceHandler
+from sluiceway.surfaces.openai import OpenAIOptions, OpenAISurface
 
 logger = logging.getLogger(__name__)
 
-StateHandler = Callable[[ServerState, Scope, Receive, Send], Awaitable[None]]
 
-#: Routes that answer without an API key.
+def surfaces(config: ServerConfig) -> tuple[Surface, ...]:
+    """The API surfaces the server speaks, one line each. The first renders
+    the errors of requests that match no route (404, 405)."""
+    return (
+        OpenAISurface(
+            OpenAIOptions(
+                reasoning_field=config.reasoning_field,
+                return_tokens_as_token_ids=config.return_tokens_as_token_ids,
+            )
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A handler and the surface that owns it."""
+
+    handler: SurfaceHandler
+    surface: Surface
+    #: Answers without an API key.
+    public: bool = False
+
+
+#: The server's own routes, which answer without an API key.
 PUBLIC_PATHS = frozenset({"/health"})
+
+
+def route_table(state: ServerState, speaks: tuple[Surface, ...]) -> Router[Route]:
+    """Every route: the server's own (``/health``) and each surface's."""
+    default = speaks[0]
+    own = {"/health": {"GET": Route(functools.partial(health, state), default, public=True)}}
+    return Router(
+        merge_routes(
+            own,
+            *(
+                {
+                    path: {method: Route(handler, surface) for method, handler in methods.items()}
+                    for path, methods in surface.routes().items()
+                }
+                for surface in speaks
+            ),
+        )
+    )
 
 
 class SluicewayApp:
@@ -43,7 +86,9 @@ class SluicewayApp:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.state: ServerState | None = None
-        self._router: Router | None = None
+        self._surfaces = surfaces(config)
+        self._router: Router[Route] | None = None
+        self._serving: Serving | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -93,19 +138,8 @@ class SluicewayApp:
             self.config, model, handle, choose_parsers(self.config, model.tokenizer)
         )
         self.state = state
-
-        def bind(handler: StateHandler) -> Handler:
-            return functools.partial(handler, state)
-
-        self._router = Router(
-            {
-                "/health": {"GET": bind(info.health)},
-                "/v1/models": {"GET": bind(info.models)},
-                "/v1/models/{model}": {"GET": bind(info.model)},
-                "/v1/chat/completions": {"POST": bind(chat.handle)},
-                "/v1/completions": {"POST": bind(completions.handle)},
-            }
-        )
+        self._serving = state.serving()
+        self._router = route_table(state, self._surfaces)
 
     # --- http ---------------------------------------------------------------
 
@@ -117,36 +151,55 @@ class SluicewayApp:
             started = started or message["type"] == "http.response.start"
             await send(message)
 
+        surface = self._surfaces[0]
         try:
-            if self._router is None:
-                raise NotFound("the server is still starting")
-            handler = self._resolve(scope)
-            await handler(scope, receive, tracking_send)
+            route, params = self._resolve(scope)
+            surface = route.surface
+            if not route.public:
+                self._authenticate(surface, scope)
+            assert self.state is not None
+            assert self._serving is not None
+            call = HttpCall(
+                scope,
+                receive,
+                tracking_send,
+                self.state.scheduler,
+                params,
+                self.config.max_body_bytes,
+                self.config.keepalive_seconds,
+            )
+            await route.handler(self._serving, call)
         except ClientDisconnected:
             return
-        except ClientError as error:
+        except ApiError as error:
             if not started:
-                await send_error(send, error)
+                await send_error(send, error, surface.render_error(error))
         except Exception:
             logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             if not started:
-                await send_server_error(send, "the server failed to handle this request")
+                failure = InternalError("the server failed to handle this request")
+                await send_error(send, failure, surface.render_error(failure))
 
-    def _resolve(self, scope: Scope) -> Handler:
-        assert self._router is not None
-        self._authenticate(scope, scope["path"])
-        return self._router.resolve(scope["method"], scope["path"])
+    def _resolve(self, scope: Scope) -> tuple[Route, Mapping[str, str]]:
+        """The route, or the error of a request that has none (rendered by
+        the default surface); without a route, the default surface's
+        credentials are checked first, so a keyless client learns nothing."""
+        if self._router is None:
+            raise NotFound("the server is still starting")
+        try:
+            return self._router.resolve(scope["method"], scope["path"])
+        except ApiError:
+            if scope["path"] not in PUBLIC_PATHS:
+                self._authenticate(self._surfaces[0], scope)
+            raise
 
-    def _authenticate(self, scope: Scope, path: str) -> None:
+    def _authenticate(self, surface: Surface, scope: Scope) -> None:
         key = self.config.api_key
-        if not key or path in PUBLIC_PATHS:
+        if not key:
             return
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                if scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), key):
-                    return
-        raise AuthenticationFailed("Incorrect API key provided.", code="invalid_api_key")
+        presented = surface.credentials(scope.get("headers", ()))
+        if presented is None or not hmac.compare_digest(presented, key):
+            raise AuthenticationFailed("Incorrect API key provided.", code="invalid_api_key")
 
 
 def create_app(config: ServerConfig | None = None) -> SluicewayApp:

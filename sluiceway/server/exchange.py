@@ -13,7 +13,7 @@ told to drop the requests, which frees their slots within one step.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager, closing
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,8 +25,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from sluiceway.actors import output
 from sluiceway.actors.channels import Mailbox, MailboxReader, open_mailbox, take
-from sluiceway.actors.emitters.common import KEEPALIVE, StreamEncoder
-from sluiceway.actors.output import ChoiceFinisher, OutputConfig
+from sluiceway.actors.output import ChoiceFinisher
 from sluiceway.protocol.messages import (
     Deltas,
     EmitterEvent,
@@ -34,19 +33,21 @@ from sluiceway.protocol.messages import (
     Outbox,
     RequestOutput,
 )
-from sluiceway.server.http import SSE_HEADERS, Receive, Send
+from sluiceway.server.http import (
+    SSE_HEADERS,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    send_json_text,
+)
+from sluiceway.surfaces.base import Headers, Job, StreamEncoder
 
 
 class Submitter(ChoiceFinisher, Protocol):
     def submit(self, request: GenerationRequest, output: Outbox[RequestOutput]) -> None: ...
 
     def cancel(self, request_id: str) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Job:
-    request: GenerationRequest
-    output: OutputConfig
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: CancelScope) -> None:
@@ -214,8 +215,8 @@ async def _relay(
     """Frame events until the outputs are done.
 
     Until the first delta, a quiet ``keepalive_seconds`` (a request waiting
-    in the queue, a long prompt being prefilled) sends an SSE comment so that
-    proxies and clients do not time the stream out.
+    in the queue, a long prompt being prefilled) sends the encoder's
+    keepalive frame so that proxies and clients do not time the stream out.
     """
     flowing = False
     while True:
@@ -227,7 +228,7 @@ async def _relay(
                 with anyio.move_on_after(keepalive_seconds) as waited:
                     ready = await events.next()
                 if waited.cancelled_caught:
-                    await _body(send, KEEPALIVE)
+                    await _body(send, encoder.keepalive())
                     continue
                 flowing = any(isinstance(event, Deltas) for event in ready)
         except anyio.EndOfStream:
@@ -260,3 +261,35 @@ async def collect_reply(
                 collect(event)
         finished = True
     return finished
+
+
+@dataclass(slots=True)
+class HttpCall:
+    """One HTTP exchange as a surface's handler sees it (the ``Call`` seam)."""
+
+    scope: Scope
+    receive: Receive
+    send: Send
+    scheduler: Submitter
+    params: Mapping[str, str]
+    max_body_bytes: int
+    keepalive_seconds: float
+
+    @property
+    def headers(self) -> Headers:
+        headers: Headers = self.scope.get("headers", ())
+        return headers
+
+    async def body(self) -> bytes:
+        return await read_body(self.scope, self.receive, self.max_body_bytes)
+
+    async def send_json(self, text: str, status: int = 200) -> None:
+        await send_json_text(self.send, text, status)
+
+    async def stream(self, jobs: Sequence[Job], encoder: StreamEncoder) -> None:
+        await stream_reply(
+            self.receive, self.send, self.scheduler, jobs, encoder, self.keepalive_seconds
+        )
+
+    async def collect(self, jobs: Sequence[Job], collect: Callable[[EmitterEvent], None]) -> bool:
+        return await collect_reply(self.receive, self.scheduler, jobs, collect)

@@ -1,14 +1,14 @@
-"""What the handlers share once the model is loaded: read-only after start-up."""
+"""What the server shares once the model is loaded: read-only after start-up."""
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 
 from sluiceway.actors.scheduler import SchedulerHandle
+from sluiceway.parsers.registry import ParserChoice
 from sluiceway.server.config import ServerConfig
-from sluiceway.server.parsing import ParserChoice
 from sluiceway.server.runtime import LoadedModel
+from sluiceway.surfaces.base import Serving
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,14 +22,15 @@ class ServerState:
     def model_name(self) -> str:
         return self.config.model_name
 
-    @property
-    def vocab_size(self) -> int:
-        return self.model.engine.info.vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self.model.engine.info.max_context
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    def serving(self) -> Serving:
+        """What the surfaces' handlers see of it."""
+        return Serving(
+            model_name=self.model_name,
+            created=self.model.created,
+            engine=self.model.engine.info,
+            tokenizer=self.model.tokenizer,
+            parsers=self.parsers,
+            max_num_seqs=self.config.max_num_seqs,
+            max_top_logprobs=self.config.max_top_logprobs,
+            stop_in_reasoning=self.config.stop_in_reasoning,
+        )

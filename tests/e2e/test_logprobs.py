@@ -114,7 +114,7 @@ def test_chat_entries_match_a_forward_pass(
     reply = post(server, "/chat/completions", body)
     schemas.check(reply, schemas.CHAT_COMPLETION)
     tokenizer = ModelTokenizer(default_model, 0)
-    prompt = tokenizer.encode(tokenizer.render_chat(messages).text)
+    prompt = tokenizer.encode(tokenizer.chat.render(messages).text)
     assert reply["usage"]["prompt_tokens"] == len(prompt)
     entries = reply["choices"][0]["logprobs"]["content"]
     assert len(entries) == reply["usage"]["completion_tokens"] == 10

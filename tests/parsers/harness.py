@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from hypothesis import strategies as st
 
 from sluiceway.parsers.assembler import Chunk
-from sluiceway.parsers.detokenizer import IncrementalDetokenizer, TokenTable
+from sluiceway.parsers.detokenizer import IncrementalDetokenizer
 from sluiceway.parsers.events import (
     PROMPT_OWNER,
     VISIBLE_CHANNELS,
@@ -33,6 +33,7 @@ from sluiceway.parsers.events import (
     content,
 )
 from sluiceway.parsers.pipeline import ChoicePipeline, StopStage, TextStage
+from sluiceway.protocol.tokens import TokenTable
 
 WS = " \t\r\n"
 

@@ -7,7 +7,6 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from sluiceway.parsers.detokenizer import TokenTable
 from sluiceway.parsers.pipeline import ChoicePipeline
 from sluiceway.parsers.registry import (
     TextPathOptions,
@@ -15,6 +14,7 @@ from sluiceway.parsers.registry import (
     build_stages,
     forced_tool_prefix,
 )
+from sluiceway.protocol.tokens import TokenTable
 
 from .harness import (
     CODE,

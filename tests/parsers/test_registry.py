@@ -5,6 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
+
+from sluiceway.engines.tokenizer import ChatTemplate
 
 from sluiceway.parsers.registry import (
     REASONING_PARSERS,
@@ -99,12 +103,30 @@ def test_forced_prefixes() -> None:
 def test_detect_parsers(
     template: str | None, vocabulary: set[str], expected: tuple[str | None, str | None]
 ) -> None:
-    assert detect_parsers(template, vocabulary) == expected
+    assert detect_parsers(template, vocabulary, prefixes(template)) == expected
+
+
+def prefixes(template: str | None) -> tuple[str, ...]:
+    """The generation prefixes, rendered the server's one way (the tokenizer's
+    chat template path), on a one-word tokenizer."""
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0}, "a")))
+    return ChatTemplate(hf, template).generation_prefixes()
+
+
+def test_generation_prefixes_follow_the_thinking_switch() -> None:
+    assert prefixes(QWEN3_TEMPLATE) == (
+        "<|im_start|>assistant",
+        "<|im_start|>assistant",
+        "<|im_start|>assistant<think>\n\n</think>",
+    )
+    assert prefixes(DEEPSEEK_TEMPLATE) == ("<\uff5cAssistant\uff5c><think>\n",) * 3
+    assert prefixes("{{ broken") == ()
+    assert prefixes(None) == ()
 
 
 def test_detect_on_the_embedded_template() -> None:
     root = Path(__file__).resolve().parents[2]
     template = (root / "sluiceway/engines/data/chat_template.jinja").read_text()
-    reasoning, tools = detect_parsers(template, THINK_VOCAB)
+    reasoning, tools = detect_parsers(template, THINK_VOCAB, prefixes(template))
     assert reasoning == "qwen3"
     assert tools == "hermes"

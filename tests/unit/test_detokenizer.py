@@ -7,7 +7,8 @@ import itertools
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from sluiceway.parsers.detokenizer import IncrementalDetokenizer, TokenTable
+from sluiceway.parsers.detokenizer import IncrementalDetokenizer
+from sluiceway.protocol.tokens import TokenTable
 
 
 def table_of(pieces: list[bytes], hidden: frozenset[int] = frozenset()) -> TokenTable:

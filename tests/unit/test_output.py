@@ -9,7 +9,6 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from sluiceway.actors.output import ChoiceOutput, EntryFactory, OutputConfig, RequestOutputs
-from sluiceway.parsers.detokenizer import TokenTable
 from sluiceway.parsers.pipeline import ChoicePipeline
 from sluiceway.parsers.registry import TextPathOptions, build_pipeline
 from sluiceway.protocol.messages import (
@@ -24,6 +23,7 @@ from sluiceway.protocol.messages import (
     TokenSample,
     Usage,
 )
+from sluiceway.protocol.tokens import TokenTable
 
 EOS = 0
 
@@ -43,7 +43,7 @@ def run(pieces: list[bytes]) -> list[ChoiceDelta]:
     choice = ChoiceOutput(
         index=0,
         pipeline=ChoicePipeline(table),
-        entries=EntryFactory(table, tokens_as_ids=False),
+        entries=EntryFactory(table),
         with_logprobs=True,
         include_stop_token_text=False,
     )
@@ -73,7 +73,7 @@ def test_entries_are_exact_and_travel_with_their_text(case: tuple[str, list[byte
     assert len(entries) == len(pieces) + 1  # every token once, EOS included
     assert [e.logprob for e in entries[:-1]] == [-float(i) for i in range(len(pieces))]
     assert bytes(b for e in entries for b in e.bytes) == text.encode() + b"<eos>"
-    assert deltas[-1].finish_reason == "stop"
+    assert deltas[-1].finish is FinishCause.EOS
     consumed = b""
     for delta in deltas:
         assert delta.logprobs is not None
@@ -129,8 +129,8 @@ def test_a_stop_string_finishes_its_choice_and_the_end_cuts_off_the_rest() -> No
     deltas = [d for e in events if isinstance(e, Deltas) for d in e.deltas]
     text = {i: "".join(d.content for d in deltas if d.index == i) for i in (0, 1)}
     assert text == {0: "ab", 1: "cd"}
-    finishes = {d.index: (d.finish_reason, d.matched_stop) for d in deltas if d.finish_reason}
-    assert finishes == {0: ("stop", "STOP"), 1: ("stop", None)}
+    finishes = {d.index: (d.finish, d.matched_stop) for d in deltas if d.finish}
+    assert finishes == {0: (FinishCause.STOP_STRING, "STOP"), 1: (FinishCause.CANCELLED, None)}
     assert events[-1] == Completed(usage=Usage(prompt_tokens=3, completion_tokens=4))
 
 

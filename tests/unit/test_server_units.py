@@ -8,14 +8,15 @@ import gc
 from typing import Any
 
 import pytest
+from sluiceway.surfaces.openai.chat_wire import ChatRequest
+from sluiceway.surfaces.openai.fields import stop_strings
+from sluiceway.surfaces.validation import parse_request
 
 from sluiceway.engines.loader import freeze_heap
-from sluiceway.protocol.chat import ChatRequest
 from sluiceway.protocol.errors import InvalidRequest, MethodNotAllowed, NotFound
 from sluiceway.server.cli import build_parser, config_from_args
 from sluiceway.server.config import CHOICES, ServerConfig
 from sluiceway.server.routing import Router
-from sluiceway.server.validation import parse_request, stop_strings
 
 
 def test_config_from_environment() -> None:
@@ -113,9 +114,9 @@ async def _noop(*_: Any) -> None:
 
 def test_router_tells_404_from_405() -> None:
     router = Router({"/v1/models": {"GET": _noop}, "/v1/models/{model}": {"GET": _noop}})
-    assert router.resolve("GET", "/v1/models/") is _noop
-    assert router.resolve("HEAD", "/v1/models") is _noop
-    assert router.resolve("GET", "/v1/models/some-model") is _noop
+    assert router.resolve("GET", "/v1/models/") == (_noop, {})
+    assert router.resolve("HEAD", "/v1/models") == (_noop, {})
+    assert router.resolve("GET", "/v1/models/some-model") == (_noop, {"model": "some-model"})
     with pytest.raises(MethodNotAllowed) as refused:
         router.resolve("POST", "/v1/models")
     assert refused.value.allowed == ("GET",)

@@ -6,8 +6,9 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
-from sluiceway.protocol.chat import SamplingFields
-from sluiceway.protocol.wire import TokenLogprobWire, UsageWire, WireModel
+from sluiceway.surfaces.openai.chat_wire import SamplingFields
+from sluiceway.surfaces.openai.wire import TokenLogprobWire, UsageWire
+from sluiceway.surfaces.wire import WireModel
 
 Prompt = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
 

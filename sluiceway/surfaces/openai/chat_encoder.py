@@ -1,32 +1,10 @@
-"""The chat emitter: output events to ``chat.completion.chunk`` SSE frames, or
+"""The chat encoder: output events to ``chat.completion.chunk`` SSE frames, or
 to one ``chat.completion`` body. Both shapes come from the same deltas."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-from sluiceway.actors.emitters.common import (
-    DONE,
-    entries_wire,
-    error_frame,
-    json_string,
-    prompt_entries_wire,
-    sse,
-    usage_wire,
-)
-from sluiceway.protocol.chat import (
-    AssistantMessageWire,
-    ChatChoiceWire,
-    ChatChunk,
-    ChatCompletion,
-    ChoiceLogprobsWire,
-    ChunkChoiceWire,
-    DeltaWire,
-    FunctionWire,
-    ToolCallDeltaWire,
-    ToolCallMessageWire,
-)
 from sluiceway.protocol.messages import (
     ChoiceDelta,
     ChoiceLogprobs,
@@ -38,9 +16,31 @@ from sluiceway.protocol.messages import (
     PromptLogprobs,
     Usage,
 )
-from sluiceway.protocol.wire import TokenLogprobWire, UsageWire
-
-ReasoningField = Literal["reasoning_content", "reasoning", "both"]
+from sluiceway.surfaces.openai.chat_wire import (
+    AssistantMessageWire,
+    ChatChoiceWire,
+    ChatChunk,
+    ChatCompletion,
+    ChoiceLogprobsWire,
+    ChunkChoiceWire,
+    DeltaWire,
+    FunctionWire,
+    ReasoningField,
+    ToolCallDeltaWire,
+    ToolCallMessageWire,
+)
+from sluiceway.surfaces.openai.encoding import (
+    DONE,
+    KEEPALIVE,
+    entries_wire,
+    error_frame,
+    finish_reason,
+    prompt_entries_wire,
+    tool_call_id,
+    usage_wire,
+)
+from sluiceway.surfaces.openai.wire import TokenLogprobWire, UsageWire
+from sluiceway.surfaces.sse import json_string, sse
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,6 +53,8 @@ class ChatReplyConfig:
     prompt_logprobs: int | None = None
     include_usage: bool = False
     reasoning_field: ReasoningField = "reasoning_content"
+    #: Logprob tokens as ``token_id:N``.
+    tokens_as_ids: bool = False
 
 
 def _reasoning_fields(text: str | None, field_name: ReasoningField) -> dict[str, str | None]:
@@ -61,16 +63,12 @@ def _reasoning_fields(text: str | None, field_name: ReasoningField) -> dict[str,
     return {field_name: text}
 
 
-def _prompt_wire(event: PromptLogprobs, top: int) -> list[TokenLogprobWire | None]:
-    return prompt_entries_wire(event.entries, top)
-
-
-def _logprobs_wire(logprobs: ChoiceLogprobs) -> ChoiceLogprobsWire:
-    wire = ChoiceLogprobsWire(content=entries_wire(logprobs.content), refusal=None)
+def _logprobs_wire(logprobs: ChoiceLogprobs, as_ids: bool) -> ChoiceLogprobsWire:
+    wire = ChoiceLogprobsWire(content=entries_wire(logprobs.content, as_ids), refusal=None)
     if logprobs.reasoning:
-        wire.reasoning_content = entries_wire(logprobs.reasoning)
+        wire.reasoning_content = entries_wire(logprobs.reasoning, as_ids)
     if logprobs.tool_calls:
-        wire.tool_calls = entries_wire(logprobs.tool_calls)
+        wire.tool_calls = entries_wire(logprobs.tool_calls, as_ids)
     return wire
 
 
@@ -84,7 +82,7 @@ def _delta_wire(delta: ChoiceDelta, reasoning_field: ReasoningField) -> DeltaWir
         fields["tool_calls"] = [
             ToolCallDeltaWire(
                 index=call.index,
-                id=call.id,
+                id=tool_call_id(),
                 type="function",
                 function=FunctionWire(name=call.name, arguments=call.arguments),
             )
@@ -140,6 +138,9 @@ class ChatStreamEncoder:
             for index in range(self._config.n)
         )
 
+    def keepalive(self) -> bytes:
+        return KEEPALIVE
+
     def encode(self, event: EmitterEvent) -> bytes:
         if isinstance(event, Deltas):
             return b"".join(self._delta_frame(delta) for delta in event.deltas)
@@ -152,20 +153,24 @@ class ChatStreamEncoder:
             return error_frame(event.message) + DONE
         if isinstance(event, PromptLogprobs) and self._config.prompt_logprobs is not None:
             # Travels on the next chunk that carries a choice.
-            self._prompt_logprobs = _prompt_wire(event, self._config.prompt_logprobs)
+            self._prompt_logprobs = prompt_entries_wire(
+                event.entries, self._config.prompt_logprobs, self._config.tokens_as_ids
+            )
         return b""
 
     def _delta_frame(self, delta: ChoiceDelta) -> bytes:
         fast = self._text_frame(delta)
         if fast is not None:
             return fast
+        config = self._config
+        logprobs = delta.logprobs
         choice = ChunkChoiceWire(
             index=delta.index,
-            delta=_delta_wire(delta, self._config.reasoning_field),
-            logprobs=_logprobs_wire(delta.logprobs) if delta.logprobs is not None else None,
-            finish_reason=delta.finish_reason,
+            delta=_delta_wire(delta, config.reasoning_field),
+            logprobs=None if logprobs is None else _logprobs_wire(logprobs, config.tokens_as_ids),
+            finish_reason=finish_reason(delta),
         )
-        if delta.finish_reason is not None:
+        if delta.finish is not None:
             choice.matched_stop = delta.matched_stop
         return self._chunk([choice])
 
@@ -174,7 +179,7 @@ class ChatStreamEncoder:
         if (
             delta.logprobs is not None
             or delta.tool_calls
-            or delta.finish_reason is not None
+            or delta.finish is not None
             or self._prompt_logprobs is not None
             or bool(delta.content) == bool(delta.reasoning)
         ):
@@ -212,14 +217,15 @@ class _ChoiceTotals:
         for fragment in delta.tool_calls:
             call = self.tool_calls.setdefault(fragment.index, _ToolCall())
             if fragment.name is not None:
-                call.name, call.id = fragment.name, fragment.id or ""
+                call.name, call.id = fragment.name, tool_call_id()
             call.arguments.append(fragment.arguments)
         if delta.logprobs is not None:
             self.content_entries += delta.logprobs.content
             self.reasoning_entries += delta.logprobs.reasoning
             self.tool_entries += delta.logprobs.tool_calls
-        if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
+        reason = finish_reason(delta)
+        if reason is not None:
+            self.finish_reason = reason
             self.matched_stop = delta.matched_stop
 
 
@@ -254,8 +260,10 @@ class ChatAccumulator:
             usage=usage_wire(self.usage),
         )
         if self._config.prompt_logprobs is not None and self.prompt_logprobs is not None:
-            completion.prompt_logprobs = _prompt_wire(
-                self.prompt_logprobs, self._config.prompt_logprobs
+            completion.prompt_logprobs = prompt_entries_wire(
+                self.prompt_logprobs.entries,
+                self._config.prompt_logprobs,
+                self._config.tokens_as_ids,
             )
         return completion
 
@@ -284,7 +292,8 @@ class ChatAccumulator:
                     content=tuple(totals.content_entries),
                     reasoning=tuple(totals.reasoning_entries),
                     tool_calls=tuple(totals.tool_entries),
-                )
+                ),
+                self._config.tokens_as_ids,
             )
         return ChatChoiceWire(
             index=index,

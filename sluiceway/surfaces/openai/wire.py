@@ -1,27 +1,11 @@
-"""Wire models shared by the API surfaces: errors, usage, logprobs, models."""
+"""OpenAI wire models shared by chat and completions: errors, usage,
+logprobs, the model list."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
-
-
-class WireModel(BaseModel):
-    """Responses: serialised with ``exclude_unset``, so an optional field
-    (default ``None``) is present exactly when it was set -- to a value or,
-    deliberately, to null. Fields with any other default (``object``,
-    ``role``) always count as set."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    def model_post_init(self, context: Any, /) -> None:
-        for name, spec in type(self).model_fields.items():
-            if not spec.is_required() and spec.default is not None:
-                self.__pydantic_fields_set__.add(name)
-
-    def to_json(self) -> str:
-        return self.model_dump_json(exclude_unset=True)
+from sluiceway.surfaces.wire import WireModel
 
 
 class ErrorDetail(WireModel):

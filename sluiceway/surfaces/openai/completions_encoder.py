@@ -1,4 +1,4 @@
-"""The legacy completions emitter: output events to ``text_completion``
+"""The legacy completions encoder: output events to ``text_completion``
 chunks, or to one ``text_completion`` body.
 
 Both shapes come from one place: :class:`CompletionFragments` turns events
@@ -10,15 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sluiceway.actors.emitters.common import (
-    DONE,
-    error_frame,
-    json_string,
-    prompt_entries_wire,
-    sse,
-    usage_wire,
-)
-from sluiceway.protocol.completions import Completion, CompletionChoiceWire, CompletionLogprobsWire
 from sluiceway.protocol.messages import (
     ChoiceDelta,
     Completed,
@@ -29,7 +20,22 @@ from sluiceway.protocol.messages import (
     PromptLogprobs,
     Usage,
 )
-from sluiceway.protocol.wire import TokenLogprobWire
+from sluiceway.surfaces.openai.completions_wire import (
+    Completion,
+    CompletionChoiceWire,
+    CompletionLogprobsWire,
+)
+from sluiceway.surfaces.openai.encoding import (
+    DONE,
+    KEEPALIVE,
+    error_frame,
+    finish_reason,
+    prompt_entries_wire,
+    token_text,
+    usage_wire,
+)
+from sluiceway.surfaces.openai.wire import TokenLogprobWire
+from sluiceway.surfaces.sse import json_string, sse
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,16 +58,25 @@ class CompletionReplyConfig:
     prompt_logprobs: int | None = None
     echoes: tuple[Echo, ...] | None = None
     include_usage: bool = False
+    #: Logprob tokens as ``token_id:N``.
+    tokens_as_ids: bool = False
 
 
 def _logprobs(
-    entries: tuple[LogprobEntry | None, ...], tokens: list[str], offsets: list[int], k: int
+    entries: tuple[LogprobEntry | None, ...],
+    tokens: list[str],
+    offsets: list[int],
+    k: int,
+    as_ids: bool,
 ) -> CompletionLogprobsWire:
     wire = CompletionLogprobsWire(
         tokens=tokens,
         token_logprobs=[None if e is None else e.logprob for e in entries],
         top_logprobs=[
-            None if e is None else {t.token: t.logprob for t in e.top_logprobs[:k]} for e in entries
+            None
+            if e is None
+            else {token_text(t.token, t.token_id, as_ids): t.logprob for t in e.top_logprobs[:k]}
+            for e in entries
         ],
         text_offset=offsets,
     )
@@ -123,7 +138,9 @@ class CompletionFragments:
         config = self.config
         prompt_wire = None
         if config.prompt_logprobs is not None:
-            prompt_wire = prompt_entries_wire(event.entries, config.prompt_logprobs)
+            prompt_wire = prompt_entries_wire(
+                event.entries, config.prompt_logprobs, config.tokens_as_ids
+            )
         fragments = []
         for index in range(event.first_index, event.first_index + event.n):
             if config.echoes is None:
@@ -137,7 +154,11 @@ class CompletionFragments:
             )
             if config.logprobs is not None:
                 fragment.logprobs = _logprobs(
-                    event.entries, list(echo.tokens), list(echo.offsets), config.logprobs
+                    event.entries,
+                    list(echo.tokens),
+                    list(echo.offsets),
+                    config.logprobs,
+                    config.tokens_as_ids,
                 )
             if prompt_wire is not None:
                 fragment.prompt_logprobs = prompt_wire
@@ -148,7 +169,7 @@ class CompletionFragments:
         """Whether the delta's fragment is just its index and text; if so, it
         is counted as sent."""
         if (
-            delta.finish_reason is not None
+            delta.finish is not None
             or (delta.logprobs is not None and self.config.logprobs is not None)
             or delta.index in self._waiting_prompt
         ):
@@ -161,20 +182,22 @@ class CompletionFragments:
             index=delta.index,
             text=delta.content,
             logprobs=None,
-            finish_reason=delta.finish_reason,
+            finish_reason=finish_reason(delta),
         )
         k = self.config.logprobs
         if k is not None and delta.logprobs is not None:
             base = self._emitted[delta.index]
             content = delta.logprobs.content
+            as_ids = self.config.tokens_as_ids
             fragment.logprobs = _logprobs(
                 content,
-                [entry.token for entry in content],
+                [token_text(entry.token, entry.token_id, as_ids) for entry in content],
                 [base + offset for offset in delta.logprobs.content_offsets],
                 k,
+                as_ids,
             )
         self._emitted[delta.index] += len(delta.content)
-        if delta.finish_reason is not None:
+        if delta.finish is not None:
             fragment.matched_stop = delta.matched_stop
         waiting = self._waiting_prompt.pop(delta.index, None)
         if waiting is not None:
@@ -207,6 +230,9 @@ class CompletionStreamEncoder:
 
     def start(self) -> bytes:
         return b"".join(self._chunk(f) for f in self._fragments.opening())
+
+    def keepalive(self) -> bytes:
+        return KEEPALIVE
 
     def encode(self, event: EmitterEvent) -> bytes:
         if isinstance(event, Deltas):

@@ -1,4 +1,4 @@
-"""Emitters: the template fast path frames exactly what the models would,
+"""OpenAI encoders: the template fast path frames exactly what the models would,
 and the reasoning field setting is honoured in streams and whole replies."""
 
 from __future__ import annotations
@@ -8,17 +8,17 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from sluiceway.actors.emitters.chat import (
+from sluiceway.surfaces.openai.chat_encoder import (
     ChatAccumulator,
     ChatReplyConfig,
     ChatStreamEncoder,
     ReasoningField,
 )
-from sluiceway.actors.emitters.completions import (
+from sluiceway.surfaces.openai.completions_encoder import (
     CompletionReplyConfig,
     CompletionStreamEncoder,
 )
+
 from sluiceway.protocol.messages import (
     ChoiceDelta,
     ChoiceLogprobs,

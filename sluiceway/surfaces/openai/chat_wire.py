@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     StrictBool,
     StrictFloat,
@@ -15,22 +13,13 @@ from pydantic import (
     model_validator,
 )
 
-from sluiceway.protocol.wire import TokenLogprobWire, UsageWire, WireModel
+from sluiceway.surfaces.openai.wire import TokenLogprobWire, UsageWire
+from sluiceway.surfaces.wire import LenientModel, StrictModel, WireModel
 
 Probability = Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
 
-
-class StrictModel(BaseModel):
-    """Requests: unknown fields are refused, as OpenAI refuses them."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-class LenientModel(BaseModel):
-    """Nested request objects that clients often echo back with extra keys
-    (an assistant message copied from a previous reply, say)."""
-
-    model_config = ConfigDict(extra="ignore")
+#: Which delta/message field(s) carry reasoning text (``--reasoning-field``).
+ReasoningField = Literal["reasoning_content", "reasoning", "both"]
 
 
 class TextPart(LenientModel):

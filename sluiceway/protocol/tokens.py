@@ -1,0 +1,56 @@
+"""What each token id of a vocabulary stands for: a pure description, built
+once per tokenizer (``sluiceway.engines.tokenizer``) and read by the
+detokenizer, the logprob entries and the surfaces' encoders.
+
+It sits in ``protocol`` because both the engines (which build it) and the
+parsers (which read it) need it, and neither may import the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TokenTable:
+    """What each token id stands for, built once per tokenizer.
+
+    ``raw_bytes[i]`` are token ``i``'s exact bytes as the model sees it
+    (for an added or special token, its literal text). ``hidden`` are the ids
+    whose text is not part of the output (special tokens such as
+    ``<|im_end|>``); they still have ``raw_bytes`` for logprob entries.
+    ``strip_first_space`` is for SentencePiece-style vocabularies whose decoder
+    drops the space that begins the first token.
+    """
+
+    raw_bytes: tuple[bytes, ...]
+    hidden: frozenset[int]
+    strip_first_space: bool = False
+
+    def __len__(self) -> int:
+        return len(self.raw_bytes)
+
+    def bytes_of(self, token_id: int) -> bytes:
+        if 0 <= token_id < len(self.raw_bytes):
+            return self.raw_bytes[token_id]
+        return b""
+
+    def output_bytes(self, token_id: int) -> bytes:
+        if token_id in self.hidden:
+            return b""
+        return self.bytes_of(token_id)
+
+    def display(self, token_id: int) -> str:
+        """The token as a string for logprob entries (fragments of a character
+        show as U+FFFD; their exact bytes travel in the ``bytes`` field)."""
+        return self.bytes_of(token_id).decode("utf-8", errors="replace")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Whole-sequence decode with the incremental detokenizer's rules:
+        hidden tokens left out, the first space stripped where the vocabulary
+        says so, an incomplete character at the end shown as U+FFFD."""
+        data = b"".join(self.output_bytes(token_id) for token_id in token_ids)
+        if self.strip_first_space and data.startswith(b" "):
+            data = data[1:]
+        return data.decode("utf-8", errors="replace")

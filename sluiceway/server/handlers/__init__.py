@@ -1,1 +1,0 @@
-"""One module per API surface; each handler is ``(scope, receive, send)``."""

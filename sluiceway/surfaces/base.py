@@ -1,0 +1,144 @@
+"""The seam between the HTTP edge (``sluiceway.server``) and the API surfaces.
+
+A surface is a folder under ``sluiceway/surfaces/`` that implements
+:class:`Surface`: its routes (path -> method -> handler), its error renderer
+and where it reads the API key from. The edge resolves a route, checks the
+key the route's surface presents, and calls the handler with the read-only
+:class:`Serving` context and a :class:`Call` -- the one HTTP exchange, through
+which the handler reads its body and answers: ``send_json`` for a whole
+body, ``stream(jobs, encoder)`` for server-sent events, ``collect(jobs, add)``
+for a reply built from the same events. Errors a handler raises
+(:class:`~sluiceway.protocol.errors.ApiError`) are rendered by the route's
+surface, before or instead of any reply.
+
+Surfaces import downward only (actors, parsers, engines, protocol); the edge
+imports the surfaces, never the other way round.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from sluiceway.actors.output import OutputConfig
+from sluiceway.engines.base import EngineInfo
+from sluiceway.engines.tokenizer import ModelTokenizer
+from sluiceway.parsers.registry import ParserChoice
+from sluiceway.protocol.errors import ApiError
+from sluiceway.protocol.messages import EmitterEvent, GenerationRequest
+
+#: HTTP headers as ASGI carries them: lower-case names, raw values.
+Headers = Sequence[tuple[bytes, bytes]]
+
+JSON_HEADERS: Headers = ((b"content-type", b"application/json"),)
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One generation request of a reply and how its output is produced (a
+    chat reply has one; a legacy completion has one per prompt)."""
+
+    request: GenerationRequest
+    output: OutputConfig
+
+
+class StreamEncoder(Protocol):
+    """A sans-IO encoder of one reply's events into SSE frames (bytes)."""
+
+    def start(self) -> bytes:
+        """What goes out first, once the reply is accepted (may be empty)."""
+        ...
+
+    def encode(self, event: EmitterEvent) -> bytes: ...
+
+    def keepalive(self) -> bytes:
+        """A frame that keeps the stream alive while nothing flows (an SSE
+        comment, or a ``ping`` event where the surface defines one)."""
+        ...
+
+
+class Call(Protocol):
+    """One HTTP exchange, as a surface's handler sees it."""
+
+    @property
+    def params(self) -> Mapping[str, str]:
+        """The path parameters of the route (``/v1/models/{model}``)."""
+        ...
+
+    @property
+    def headers(self) -> Headers: ...
+
+    async def body(self) -> bytes:
+        """The whole request body (bounded by ``--max-body-bytes``: 413 past it)."""
+        ...
+
+    async def send_json(self, text: str, status: int = 200) -> None: ...
+
+    async def stream(self, jobs: Sequence[Job], encoder: StreamEncoder) -> None:
+        """Submit the jobs and stream the encoder's frames until the reply
+        ends or the client goes away (which cancels the jobs)."""
+        ...
+
+    async def collect(self, jobs: Sequence[Job], collect: Callable[[EmitterEvent], None]) -> bool:
+        """Submit the jobs and hand every event to ``collect``; False when
+        the client went away first (then there is nobody to answer)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Serving:
+    """What every surface's handlers know of the server: read-only after start-up."""
+
+    model_name: str
+    #: When the model was loaded (Unix seconds).
+    created: int
+    engine: EngineInfo
+    tokenizer: ModelTokenizer
+    parsers: ParserChoice
+    max_num_seqs: int
+    max_top_logprobs: int
+    stop_in_reasoning: bool
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+
+SurfaceHandler = Callable[[Serving, Call], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ErrorResponse:
+    """An error as a surface renders it; the edge adds the neutral headers
+    (``allow``, ``retry-after``)."""
+
+    status: int
+    body: bytes
+    headers: Headers = JSON_HEADERS
+
+
+class Surface(Protocol):
+    """An API surface: its routes, its error renderer, its credentials."""
+
+    @property
+    def name(self) -> str: ...
+
+    def routes(self) -> Mapping[str, Mapping[str, SurfaceHandler]]:
+        """Path -> method -> handler; paths may hold ``{name}`` segments."""
+        ...
+
+    def render_error(self, error: ApiError) -> ErrorResponse: ...
+
+    def credentials(self, headers: Headers) -> str | None:
+        """The API key the request presents, the surface's way (None: none)."""
+        ...
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

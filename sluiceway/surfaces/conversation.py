@@ -1,0 +1,236 @@
+"""The surface-neutral conversation: messages, tools and a tool-choice mode
+-> prompt ids and the options of each choice's text path.
+
+Every chat-like surface (OpenAI chat, Anthropic Messages, OpenAI Responses)
+maps its own message shapes onto :class:`Message` and calls
+:func:`render_conversation`; the chat template is rendered by the tokenizer
+(``ModelTokenizer.chat``, the one renderer), and what a forced tool call
+appends to the prompt comes from the parser registry.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sluiceway.parsers.registry import (
+    TextPathOptions,
+    ToolSchema,
+    forced_reasoning_close,
+    forced_tool_prefix,
+)
+from sluiceway.protocol.errors import InvalidRequest
+from sluiceway.surfaces.base import Serving
+
+
+class Role(enum.Enum):
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCall:
+    """A call an assistant turn made (passed back in the history)."""
+
+    id: str
+    name: str
+    #: The arguments as the model wrote them: a JSON object's text.
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Message:
+    """One turn of a conversation, in any surface's terms.
+
+    A system turn may sit anywhere in the history; an assistant turn may
+    carry the reasoning (thinking) it produced and the tool calls it made; a
+    tool turn is the result of the call ``tool_call_id``, ``is_error`` when
+    the tool reports a failure.
+    """
+
+    role: Role
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+    is_error: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolSpec:
+    """A function the model may call."""
+
+    name: str
+    description: str | None = None
+    #: The arguments' JSON schema.
+    parameters: Mapping[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolChoiceMode(enum.Enum):
+    NONE = "none"
+    AUTO = "auto"
+    REQUIRED = "required"
+    NAMED = "named"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolChoice:
+    mode: ToolChoiceMode
+    #: The function a NAMED choice forces.
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Conversation:
+    messages: tuple[Message, ...]
+    tools: tuple[ToolSpec, ...] = ()
+    #: None: the request did not say (tools, if any, are offered: AUTO).
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    #: Extra variables for the chat template (``enable_thinking``, say).
+    template_kwargs: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConversationParams:
+    """The names a surface gives these fields, for its errors."""
+
+    messages: str = "messages"
+    tools: str = "tools"
+    tool_choice: str = "tool_choice"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopOptions:
+    """The text-level ends of generation (stop strings)."""
+
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedPrompt:
+    ids: tuple[int, ...]
+    options: TextPathOptions
+
+
+def render_conversation(
+    serving: Serving,
+    conversation: Conversation,
+    stops: StopOptions,
+    params: ConversationParams = ConversationParams(),
+) -> RenderedPrompt:
+    """Render the conversation through the chat template and tokenize it.
+
+    Blocking (template rendering and tokenization): run it in a worker thread.
+    """
+    parse_tools, forced = _tool_mode(serving, conversation, params)
+    offered = () if _mode(conversation) is ToolChoiceMode.NONE else conversation.tools
+    try:
+        rendered = serving.tokenizer.chat.render(
+            [_template_message(message) for message in conversation.messages],
+            tools=[_template_tool(tool) for tool in offered],
+            template_kwargs=conversation.template_kwargs,
+        )
+    except Exception as error:  # template errors are the conversation's fault
+        raise InvalidRequest(
+            f"the chat template could not render these messages: {error}", param=params.messages
+        ) from error
+    parsers = serving.parsers
+    forced_prefix = ""
+    if forced is not None and parsers.tools is not None:
+        forced_prefix = forced_reasoning_close(parsers.reasoning, rendered.assistant_prefix)
+        forced_prefix += forced_tool_prefix(parsers.tools, forced or None)
+    options = TextPathOptions(
+        reasoning_parser=parsers.reasoning,
+        tool_parser=parsers.tools if parse_tools else None,
+        tools=tuple(
+            ToolSchema(name=tool.name, parameters=dict(tool.parameters or {}))
+            for tool in conversation.tools
+        ),
+        parallel_tool_calls=conversation.parallel_tool_calls,
+        stop=stops.stop,
+        include_stop_str_in_output=stops.include_stop_str_in_output,
+        min_tokens=stops.min_tokens,
+        stop_in_reasoning=serving.stop_in_reasoning,
+        assistant_prefix=rendered.assistant_prefix,
+        forced_prefix=forced_prefix,
+    )
+    ids = serving.tokenizer.encode(rendered.text + forced_prefix)
+    return RenderedPrompt(tuple(ids), options)
+
+
+def _mode(conversation: Conversation) -> ToolChoiceMode:
+    choice = conversation.tool_choice
+    return ToolChoiceMode.AUTO if choice is None else choice.mode
+
+
+def _tool_mode(
+    serving: Serving, conversation: Conversation, params: ConversationParams
+) -> tuple[bool, str | None]:
+    """Whether tool calls are parsed, and the function a call is forced to
+    (``""`` for REQUIRED: any function)."""
+    choice = conversation.tool_choice
+    mode = _mode(conversation)
+    if not conversation.tools:
+        if choice is not None and mode is not ToolChoiceMode.NONE:
+            raise InvalidRequest(f"{params.tool_choice} needs tools", param=params.tool_choice)
+        return False, None
+    if mode is ToolChoiceMode.NONE:
+        return False, None
+    if serving.parsers.tools is None:
+        raise InvalidRequest(
+            "this server has no tool-call parser for this model (start it with --tool-call-parser)",
+            param=params.tools,
+        )
+    if mode is ToolChoiceMode.NAMED:
+        name = choice.name if choice is not None else None
+        if name not in {tool.name for tool in conversation.tools}:
+            raise InvalidRequest(
+                f"{params.tool_choice} names {name!r}, which is not among the tools",
+                param=params.tool_choice,
+            )
+        return True, name
+    return True, "" if mode is ToolChoiceMode.REQUIRED else None
+
+
+def _template_message(message: Message) -> dict[str, Any]:
+    """A message as chat templates read it (the Hugging Face convention)."""
+    item: dict[str, Any] = {"role": message.role.value, "content": message.text}
+    if message.name:
+        item["name"] = message.name
+    if message.tool_calls:
+        item["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id:
+        item["tool_call_id"] = message.tool_call_id
+    if message.reasoning:
+        item["reasoning_content"] = message.reasoning
+    if message.is_error:
+        # No template convention exists; one that knows the key can use it.
+        item["is_error"] = True
+    return item
+
+
+def _template_tool(tool: ToolSpec) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description is not None:
+        function["description"] = tool.description
+    if tool.parameters is not None:
+        function["parameters"] = dict(tool.parameters)
+    if tool.strict is not None:
+        function["strict"] = tool.strict
+    return {"type": "function", "function": function}

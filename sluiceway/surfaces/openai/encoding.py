@@ -1,0 +1,109 @@
+"""What the OpenAI encoders share: the spelling of finish reasons, tool-call
+ids and logprob tokens, usage and logprob conversion, the error frame.
+
+The streaming exchange drives an encoder in the request's own task
+(``sluiceway.server.exchange``): framing is a function call per event, not
+another task and channel hop.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable
+
+from sluiceway.protocol.messages import ChoiceDelta, FinishCause, LogprobEntry, Usage
+from sluiceway.surfaces.openai.wire import (
+    CompletionTokensDetails,
+    ErrorBody,
+    ErrorDetail,
+    PromptTokensDetails,
+    TokenLogprobWire,
+    TopLogprobWire,
+    UsageWire,
+)
+from sluiceway.surfaces.sse import comment, sse
+
+DONE = b"data: [DONE]\n\n"
+KEEPALIVE = comment("keepalive")
+
+
+def finish_reason(delta: ChoiceDelta) -> str | None:
+    """OpenAI's ``finish_reason`` for a delta (None until the choice's last).
+
+    ``length`` when ``max_tokens`` ran out; otherwise ``tool_calls`` when the
+    choice called tools, else ``stop``. A choice the scheduler cut off
+    (``CANCELLED``: the server shutting down mid-stream; a client that went
+    away sees nothing) reads ``stop``: OpenAI's enum has no value for it, and
+    clients validate against that enum.
+    """
+    cause = delta.finish
+    if cause is None:
+        return None
+    if cause is FinishCause.MAX_TOKENS:
+        return "length"
+    return "tool_calls" if delta.called_tools else "stop"
+
+
+def tool_call_id() -> str:
+    """A new tool call's id, minted where the call's name first goes out."""
+    return f"call_{secrets.token_hex(12)}"
+
+
+def token_text(token: str, token_id: int, as_ids: bool) -> str:
+    """A logprob entry's ``token``: its text, or ``token_id:N`` (the vLLM
+    extension ``return_tokens_as_token_ids``)."""
+    return f"token_id:{token_id}" if as_ids else token
+
+
+def usage_wire(usage: Usage) -> UsageWire:
+    return UsageWire(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=0),
+        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens),
+    )
+
+
+def entry_wire(entry: LogprobEntry, as_ids: bool) -> TokenLogprobWire:
+    wire = TokenLogprobWire(
+        token=token_text(entry.token, entry.token_id, as_ids),
+        logprob=entry.logprob,
+        bytes=list(entry.bytes),
+        top_logprobs=[
+            TopLogprobWire(
+                token=token_text(top.token, top.token_id, as_ids),
+                logprob=top.logprob,
+                bytes=list(top.bytes),
+            )
+            for top in entry.top_logprobs
+        ],
+    )
+    if entry.requested:
+        wire.token_id_logprobs = {str(t): v for t, v in entry.requested}
+    return wire
+
+
+def entries_wire(entries: Iterable[LogprobEntry], as_ids: bool) -> list[TokenLogprobWire]:
+    return [entry_wire(entry, as_ids) for entry in entries]
+
+
+def prompt_entries_wire(
+    entries: Iterable[LogprobEntry | None], top: int, as_ids: bool
+) -> list[TokenLogprobWire | None]:
+    """Prompt entries (the first is null), each cut to its ``top`` alternatives."""
+    wires: list[TokenLogprobWire | None] = []
+    for entry in entries:
+        if entry is None:
+            wires.append(None)
+            continue
+        wire = entry_wire(entry, as_ids)
+        wire.top_logprobs = wire.top_logprobs[:top]
+        wires.append(wire)
+    return wires
+
+
+def error_frame(message: str) -> bytes:
+    """A failure in the middle of a stream (the status line is long gone)."""
+    body = ErrorBody(error=ErrorDetail(message=message, type="server_error", param=None, code=None))
+    return sse(body.to_json())
