@@ -27,7 +27,6 @@ from collections.abc import Callable
 
 import anyio
 from models import logprobs_model
-from sluiceway.surfaces.openai.chat_encoder import ChatReplyConfig, ChatStreamEncoder
 
 from sluiceway.actors import output
 from sluiceway.actors.engine_work import EngineThread
@@ -46,6 +45,7 @@ from sluiceway.protocol.messages import (
     SamplingParams,
 )
 from sluiceway.server.runtime import LoadedModel, PipelineOptions, run_pipeline
+from sluiceway.surfaces.openai.chat_encoder import ChatReplyConfig, ChatStreamEncoder
 
 PROMPT = tuple(range(10, 74))
 

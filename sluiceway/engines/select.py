@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 
 from sluiceway.engines.base import Engine
 from sluiceway.engines.loader import ModelSource
@@ -18,6 +19,18 @@ from sluiceway.engines.loader import ModelSource
 logger = logging.getLogger(__name__)
 
 ENGINES = ("auto", "mlx", "transformers")
+
+#: ``--device`` values: what the transformers engine accepts (``cuda:N`` is
+#: the N-th CUDA device). The configuration checks against this one list.
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def check_device(choice: str) -> str:
+    """``choice`` if it is one of :data:`DEVICES` (N a device index)."""
+    if not _DEVICE.fullmatch(choice):
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, not {choice!r}")
+    return choice
 
 
 def choose_engine(choice: str) -> str:

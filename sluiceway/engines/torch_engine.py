@@ -59,6 +59,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from sluiceway.engines.base import DecodeResult, EngineInfo, Logits, config_max_context
 from sluiceway.engines.loader import ModelSource
+from sluiceway.engines.select import check_device
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,6 @@ ROW_STEP = 8
 #: given back.
 KEEP_IDLE_BATCH_BYTES = 256 * 2**20
 
-DEVICES = ("auto", "cpu", "cuda")
 DTYPES: Mapping[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -85,13 +85,9 @@ DTYPES: Mapping[str, torch.dtype] = {
 
 def resolve_device(choice: str) -> torch.device:
     """``auto`` is CUDA when a GPU is visible, else the CPU."""
-    if choice == "auto":
+    if check_device(choice) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(choice)
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"--device must be one of {', '.join(DEVICES)} (or cuda:N), not {choice!r}"
-        )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
     return device

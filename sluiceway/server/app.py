@@ -15,7 +15,7 @@ import anyio
 from sluiceway.actors.scheduler import SchedulerConfig, SchedulerHandle
 from sluiceway.protocol.errors import ApiError, AuthenticationFailed, InternalError, NotFound
 from sluiceway.server.config import ServerConfig
-from sluiceway.server.exchange import HttpCall
+from sluiceway.server.exchange import HttpCall, Submitter
 from sluiceway.server.health import health
 from sluiceway.server.http import (
     ClientDisconnected,
@@ -62,33 +62,40 @@ class Route:
 PUBLIC_PATHS = frozenset({"/health"})
 
 
+def surface_routes(surface: Surface) -> dict[str, dict[str, Route]]:
+    return {
+        path: {method: Route(handler, surface) for method, handler in methods.items()}
+        for path, methods in surface.routes().items()
+    }
+
+
 def route_table(state: ServerState, speaks: tuple[Surface, ...]) -> Router[Route]:
     """Every route: the server's own (``/health``) and each surface's."""
     default = speaks[0]
     own = {"/health": {"GET": Route(functools.partial(health, state), default, public=True)}}
-    return Router(
-        merge_routes(
-            own,
-            *(
-                {
-                    path: {method: Route(handler, surface) for method, handler in methods.items()}
-                    for path, methods in surface.routes().items()
-                }
-                for surface in speaks
-            ),
-        )
-    )
+    return Router(merge_routes(own, *(surface_routes(surface) for surface in speaks)))
+
+
+@dataclass(frozen=True, slots=True)
+class Live:
+    """What requests need once the server is up."""
+
+    router: Router[Route]
+    serving: Serving
+    scheduler: Submitter
 
 
 class SluicewayApp:
-    """An ASGI 3 application. Use :func:`create_app` to build one."""
+    """An ASGI 3 application. Use :func:`create_app` to build one.
 
-    def __init__(self, config: ServerConfig) -> None:
+    ``speaks`` replaces the surfaces of :func:`surfaces` (tests add one).
+    """
+
+    def __init__(self, config: ServerConfig, speaks: tuple[Surface, ...] | None = None) -> None:
         self.config = config
-        self.state: ServerState | None = None
-        self._surfaces = surfaces(config)
-        self._router: Router[Route] | None = None
-        self._serving: Serving | None = None
+        self.surfaces = surfaces(config) if speaks is None else speaks
+        #: Set once the model is loaded and the pipeline runs.
+        self.live: Live | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -137,9 +144,7 @@ class SluicewayApp:
         state = ServerState(
             self.config, model, handle, choose_parsers(self.config, model.tokenizer)
         )
-        self.state = state
-        self._serving = state.serving()
-        self._router = route_table(state, self._surfaces)
+        self.live = Live(route_table(state, self.surfaces), state.serving(), handle)
 
     # --- http ---------------------------------------------------------------
 
@@ -151,24 +156,23 @@ class SluicewayApp:
             started = started or message["type"] == "http.response.start"
             await send(message)
 
-        surface = self._surfaces[0]
+        surface = self.surfaces[0]
         try:
-            route, params = self._resolve(scope)
+            live = self._live(scope)
+            route, params = self._resolve(live.router, scope)
             surface = route.surface
             if not route.public:
                 self._authenticate(surface, scope)
-            assert self.state is not None
-            assert self._serving is not None
             call = HttpCall(
                 scope,
                 receive,
                 tracking_send,
-                self.state.scheduler,
+                live.scheduler,
                 params,
                 self.config.max_body_bytes,
                 self.config.keepalive_seconds,
             )
-            await route.handler(self._serving, call)
+            await route.handler(live.serving, call)
         except ClientDisconnected:
             return
         except ApiError as error:
@@ -180,17 +184,20 @@ class SluicewayApp:
                 failure = InternalError("the server failed to handle this request")
                 await send_error(send, failure, surface.render_error(failure))
 
-    def _resolve(self, scope: Scope) -> tuple[Route, Mapping[str, str]]:
+    def _live(self, scope: Scope) -> Live:
+        if self.live is None:
+            raise NotFound("the server is still starting")
+        return self.live
+
+    def _resolve(self, router: Router[Route], scope: Scope) -> tuple[Route, Mapping[str, str]]:
         """The route, or the error of a request that has none (rendered by
         the default surface); without a route, the default surface's
         credentials are checked first, so a keyless client learns nothing."""
-        if self._router is None:
-            raise NotFound("the server is still starting")
         try:
-            return self._router.resolve(scope["method"], scope["path"])
+            return router.resolve(scope["method"], scope["path"])
         except ApiError:
             if scope["path"] not in PUBLIC_PATHS:
-                self._authenticate(self._surfaces[0], scope)
+                self._authenticate(self.surfaces[0], scope)
             raise
 
     def _authenticate(self, surface: Surface, scope: Scope) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sluiceway import __version__
+from sluiceway.engines.select import DEVICES
 from sluiceway.server.config import CHOICES, LOG_FORMAT, ServerConfig
 
 #: Model loading (and building the default model) happens during start-up.
@@ -31,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         "default: the embedded default model",
         "served_model_name": "the model name clients use (default: --model)",
         "engine": "model runner (auto: mlx on a Metal GPU, else transformers if torch imports, else mlx on the CPU)",
-        "device": "device of the transformers engine (auto: cuda if available)",
+        "device": f"device of the transformers engine, one of {', '.join(DEVICES)} "
+        "(auto: cuda if available)",
         "dtype": "weights dtype of the transformers engine (auto: the checkpoint's)",
         "engine_process": "run the engine in a child process with an interpreter (and GIL) "
         "of its own, instead of on a thread of the server's process (default: a child "

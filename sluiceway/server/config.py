@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from sluiceway.engines.select import check_device
+
 WorkerClass = Literal["asyncio", "trio"]
 
 ENV_PREFIX = "SLUICEWAY_"
@@ -18,7 +20,6 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 #: can hold anything).
 CHOICES: dict[str, tuple[str, ...]] = {
     "engine": ("auto", "mlx", "transformers"),
-    "device": ("auto", "cpu", "cuda"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "worker_class": ("asyncio", "trio"),
     "logprobs_mode": ("raw", "processed"),
@@ -38,7 +39,8 @@ class ServerConfig:
     model: str | None = None
     served_model_name: str | None = None
     engine: Literal["auto", "mlx", "transformers"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    #: auto, cpu, cuda or cuda:N (``engines.select.DEVICES``).
+    device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     #: None: a child process for mlx on the CPU, the engine thread otherwise.
     engine_process: bool | None = None
@@ -65,6 +67,7 @@ class ServerConfig:
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}")
+        check_device(self.device)
         if self.keepalive_seconds <= 0:
             raise ValueError("keepalive_seconds must be positive")
         for name in (

@@ -21,6 +21,7 @@ from tests.e2e.harness import (
     context_room,
     scheduler_state,
     seconds_per_token,
+    serving,
     start_server,
 )
 
@@ -326,3 +327,23 @@ def test_app_factory_under_the_hypercorn_command(
         assert json.loads(events[0])["model"] == "factory"
     finally:
         running.stop()
+
+
+def test_api_key_is_read_the_openai_way(default_model: Path, tmp_path: Path) -> None:
+    """With ``--api-key``, the OpenAI routes take ``Authorization: Bearer``
+    (the OpenAI SDK's way); /health needs none; errors keep OpenAI's shape."""
+    with serving(default_model, tmp_path, "--api-key", "k3y") as running:
+        assert httpx.get(running.base_url + "/health").status_code == 200
+        missing = error_of(httpx.get(running.api_url + "/models"), 401)
+        assert (missing["type"], missing["code"]) == ("authentication_error", "invalid_api_key")
+        error_of(httpx.get(running.api_url + "/nowhere"), 401)
+        wrong = {"x-api-key": "k3y", "authorization": "Bearer nope"}
+        error_of(httpx.get(running.api_url + "/models", headers=wrong), 401)
+        with openai.OpenAI(base_url=running.api_url, api_key="k3y") as client:
+            assert [card.id for card in client.models.list()] == [running.model]
+            reply = client.chat.completions.create(
+                model=running.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+            assert reply.choices[0].finish_reason in {"stop", "length"}
+        bearer = {"authorization": "Bearer k3y"}
+        error_of(httpx.get(running.api_url + "/nowhere", headers=bearer), 404)

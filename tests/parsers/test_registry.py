@@ -9,7 +9,6 @@ from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from sluiceway.engines.tokenizer import ChatTemplate
-
 from sluiceway.parsers.registry import (
     REASONING_PARSERS,
     TOOL_PARSERS,

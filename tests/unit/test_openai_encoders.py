@@ -4,10 +4,23 @@ and the reasoning field setting is honoured in streams and whole replies."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
+from sluiceway.protocol.messages import (
+    ChoiceDelta,
+    ChoiceLogprobs,
+    Completed,
+    Deltas,
+    FinishCause,
+    LogprobEntry,
+    ToolCallDelta,
+    TopLogprob,
+    Usage,
+)
 from sluiceway.surfaces.openai.chat_encoder import (
     ChatAccumulator,
     ChatReplyConfig,
@@ -17,15 +30,6 @@ from sluiceway.surfaces.openai.chat_encoder import (
 from sluiceway.surfaces.openai.completions_encoder import (
     CompletionReplyConfig,
     CompletionStreamEncoder,
-)
-
-from sluiceway.protocol.messages import (
-    ChoiceDelta,
-    ChoiceLogprobs,
-    Completed,
-    Deltas,
-    LogprobEntry,
-    Usage,
 )
 
 FIELDS: tuple[ReasoningField, ...] = ("reasoning_content", "reasoning", "both")
@@ -114,3 +118,74 @@ def test_reasoning_field_in_whole_replies(field: ReasoningField) -> None:
     assert {key for key in message if key.startswith("reasoning")} == expected
     assert all(message[key] == "think" for key in expected)
     assert message["content"] == "say"
+
+
+FINISHES = [
+    (FinishCause.EOS, False, "stop"),
+    (FinishCause.STOP_STRING, False, "stop"),
+    (FinishCause.STOP_TOKEN, False, "stop"),
+    (FinishCause.MAX_TOKENS, False, "length"),
+    (FinishCause.CANCELLED, False, "stop"),
+    (FinishCause.EOS, True, "tool_calls"),
+    (FinishCause.STOP_STRING, True, "tool_calls"),
+    (FinishCause.MAX_TOKENS, True, "length"),
+]
+
+
+@pytest.mark.parametrize(("cause", "called_tools", "reason"), FINISHES)
+def test_finish_causes_are_spelled_alike_in_streams_and_replies(
+    cause: FinishCause, called_tools: bool, reason: str
+) -> None:
+    last = ChoiceDelta(index=0, finish=cause, called_tools=called_tools, matched_stop="x")
+    stream = ChatStreamEncoder(config())
+    (choice,) = json.loads(stream.encode(Deltas(deltas=(last,)))[6:])["choices"]
+    assert (choice["finish_reason"], choice["matched_stop"]) == (reason, "x")
+    accumulator = ChatAccumulator(config())
+    accumulator.add(Deltas(deltas=(last,)))
+    accumulator.add(Completed(usage=Usage(prompt_tokens=1, completion_tokens=1)))
+    whole = json.loads(accumulator.build().to_json())["choices"][0]
+    assert whole["finish_reason"] == reason
+    completions = CompletionStreamEncoder(
+        CompletionReplyConfig(completion_id="c", created=1, model="m", n=1, jobs=1)
+    )
+    (fragment,) = json.loads(completions.encode(Deltas(deltas=(last,)))[6:])["choices"]
+    assert fragment["finish_reason"] == reason
+
+
+def test_tool_call_ids_are_minted_by_the_encoder_once_per_call() -> None:
+    """The first fragment of a call (the one with its name) gets an OpenAI id,
+    in a stream and in a whole reply alike; later fragments carry none."""
+    deltas = (
+        ChoiceDelta(index=0, tool_calls=(ToolCallDelta(index=0, arguments="", name="f"),)),
+        ChoiceDelta(index=0, tool_calls=(ToolCallDelta(index=0, arguments='{"a": 1}'),)),
+        ChoiceDelta(index=0, tool_calls=(ToolCallDelta(index=1, arguments="{}", name="g"),)),
+    )
+    stream = ChatStreamEncoder(config())
+    frames = [json.loads(stream.encode(Deltas(deltas=(d,)))[6:]) for d in deltas]
+    calls = [call for f in frames for call in f["choices"][0]["delta"]["tool_calls"]]
+    ids = [call.get("id") for call in calls]
+    assert ids[1] is None
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in (ids[0], ids[2]))
+    assert ids[0] != ids[2]
+    accumulator = ChatAccumulator(config())
+    accumulator.add(Deltas(deltas=deltas))
+    accumulator.add(Completed(usage=Usage(prompt_tokens=1, completion_tokens=3)))
+    message = json.loads(accumulator.build().to_json())["choices"][0]["message"]
+    whole = [(c["id"][:5], c["function"]["name"]) for c in message["tool_calls"]]
+    assert whole == [("call_", "f"), ("call_", "g")]
+
+
+def test_tokens_as_ids_is_the_surfaces_choice() -> None:
+    """The output actor carries text and id; the encoder picks what shows."""
+    top = TopLogprob(token="y", token_id=9, logprob=-2.0, bytes=(121,))
+    entry = LogprobEntry(token="x", token_id=1, logprob=-0.5, bytes=(120,), top_logprobs=(top,))
+    delta = ChoiceDelta(index=0, content="x", logprobs=ChoiceLogprobs(content=(entry,)))
+    for as_ids, shown in ((False, ("x", "y")), (True, ("token_id:1", "token_id:9"))):
+        reply = ChatReplyConfig(
+            completion_id="c", created=1, model="m", n=1, logprobs=True, tokens_as_ids=as_ids
+        )
+        (choice,) = json.loads(ChatStreamEncoder(reply).encode(Deltas(deltas=(delta,)))[6:])[
+            "choices"
+        ]
+        (wire,) = choice["logprobs"]["content"]
+        assert (wire["token"], wire["top_logprobs"][0]["token"]) == shown

@@ -8,15 +8,15 @@ import gc
 from typing import Any
 
 import pytest
-from sluiceway.surfaces.openai.chat_wire import ChatRequest
-from sluiceway.surfaces.openai.fields import stop_strings
-from sluiceway.surfaces.validation import parse_request
 
 from sluiceway.engines.loader import freeze_heap
 from sluiceway.protocol.errors import InvalidRequest, MethodNotAllowed, NotFound
 from sluiceway.server.cli import build_parser, config_from_args
 from sluiceway.server.config import CHOICES, ServerConfig
 from sluiceway.server.routing import Router
+from sluiceway.surfaces.openai.chat_wire import ChatRequest
+from sluiceway.surfaces.openai.fields import stop_strings
+from sluiceway.surfaces.validation import parse_request
 
 
 def test_config_from_environment() -> None:
@@ -36,10 +36,22 @@ def test_config_from_environment() -> None:
     assert config.model_name == "/models/x"
 
 
+def test_device_takes_what_the_engine_takes() -> None:
+    """``--device`` accepts every form the transformers engine accepts,
+    ``cuda:N`` included (docs/engines.md documents it), and nothing else."""
+    for device in ("auto", "cpu", "cuda", "cuda:0", "cuda:12"):
+        args = build_parser().parse_args(["serve", "--device", device])
+        assert config_from_args(args).device == device
+    for device in ("mps", "cuda:", "cuda:x", "gpu", "cuda:1 "):
+        with pytest.raises(ValueError, match="--device must be one of"):
+            config_from_args(build_parser().parse_args(["serve", "--device", device]))
+
+
 @pytest.mark.parametrize(
     "environ",
     [
         {"SLUICEWAY_ENGINE": "gpu-magic"},
+        {"SLUICEWAY_DEVICE": "cuda:one"},
         {"SLUICEWAY_PORT": "0"},
         {"SLUICEWAY_RETURN_TOKENS_AS_TOKEN_IDS": "maybe"},
     ],
@@ -52,6 +64,8 @@ def test_bad_environment_is_refused(environ: dict[str, str]) -> None:
 def _other_value(spec: dataclasses.Field[Any], default: Any) -> tuple[Any, list[str], str]:
     """A value other than the field's default, as flags and as an environment value."""
     flag = "--" + spec.name.replace("_", "-")
+    if spec.name == "device":
+        return "cuda:1", [flag, "cuda:1"], "cuda:1"
     if spec.name in CHOICES:
         value = next(choice for choice in CHOICES[spec.name] if choice != default)
         return value, [flag, value], value
