@@ -1,4 +1,4 @@
-"""The HTTP edge: the ASGI app, routing, validation, SSE, auth and the CLI."""
+"""The HTTP edge: the ASGI app, routing, the exchange, auth, /health and the CLI."""
 
 from sluiceway.server.app import SluicewayApp, create_app
 from sluiceway.server.config import ServerConfig

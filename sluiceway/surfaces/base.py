@@ -59,6 +59,21 @@ class StreamEncoder(Protocol):
         ...
 
 
+class Accumulator(Protocol):
+    """Builds one whole (non-streamed) reply from a reply's events."""
+
+    @property
+    def failure(self) -> str | None:
+        """Why the generation failed, if it did."""
+        ...
+
+    def add(self, event: EmitterEvent) -> None: ...
+
+    def to_json(self) -> str:
+        """The reply's body, once every job has completed."""
+        ...
+
+
 class Call(Protocol):
     """One HTTP exchange, as a surface's handler sees it."""
 
@@ -138,6 +153,16 @@ class Surface(Protocol):
     def credentials(self, headers: Headers) -> str | None:
         """The API key the request presents, the surface's way (None: none)."""
         ...
+
+
+async def send_whole(call: Call, jobs: Sequence[Job], accumulator: Accumulator) -> None:
+    """Run the jobs to the end and send the accumulated reply as one body
+    (nothing, if the client went away; a failure is the server's 500)."""
+    if not await call.collect(jobs, accumulator.add):
+        return  # the client is gone; nobody to answer
+    if accumulator.failure is not None:
+        raise RuntimeError(accumulator.failure)
+    await call.send_json(accumulator.to_json())
 
 
 def new_id(prefix: str) -> str:

@@ -11,7 +11,7 @@ from sluiceway.parsers.registry import build_pipeline
 from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.protocol.messages import GenerationRequest
 from sluiceway.surfaces import validation
-from sluiceway.surfaces.base import Call, Job, Serving, new_id
+from sluiceway.surfaces.base import Call, Job, Serving, new_id, send_whole
 from sluiceway.surfaces.conversation import (
     Conversation,
     Message,
@@ -153,10 +153,5 @@ async def handle(options: OpenAIOptions, serving: Serving, call: Call) -> None:
     jobs = [Job(generation, config)]
     if request.stream:
         await call.stream(jobs, ChatStreamEncoder(reply))
-        return
-    accumulator = ChatAccumulator(reply)
-    if not await call.collect(jobs, accumulator.add):
-        return  # the client is gone; nobody to answer
-    if accumulator.failure is not None:
-        raise RuntimeError(accumulator.failure)
-    await call.send_json(accumulator.build().to_json())
+    else:
+        await send_whole(call, jobs, ChatAccumulator(reply))

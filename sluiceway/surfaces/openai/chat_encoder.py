@@ -250,6 +250,9 @@ class ChatAccumulator:
         elif isinstance(event, PromptLogprobs):
             self.prompt_logprobs = event
 
+    def to_json(self) -> str:
+        return self.build().to_json()
+
     def build(self) -> ChatCompletion:
         assert self.usage is not None, "build() before the request completed"
         completion = ChatCompletion(

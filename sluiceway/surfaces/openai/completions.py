@@ -13,7 +13,7 @@ from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.protocol.messages import GenerationRequest
 from sluiceway.protocol.tokens import TokenTable
 from sluiceway.surfaces import validation
-from sluiceway.surfaces.base import Call, Job, Serving, new_id
+from sluiceway.surfaces.base import Call, Job, Serving, new_id, send_whole
 from sluiceway.surfaces.openai import fields
 from sluiceway.surfaces.openai.completions_encoder import (
     CompletionAccumulator,
@@ -130,13 +130,8 @@ async def handle(options: OpenAIOptions, serving: Serving, call: Call) -> None:
     )
     if request.stream:
         await call.stream(jobs, CompletionStreamEncoder(reply))
-        return
-    accumulator = CompletionAccumulator(reply)
-    if not await call.collect(jobs, accumulator.add):
-        return
-    if accumulator.failure is not None:
-        raise RuntimeError(accumulator.failure)
-    await call.send_json(accumulator.build().to_json())
+    else:
+        await send_whole(call, jobs, CompletionAccumulator(reply))
 
 
 def echo_of(table: TokenTable, prompt_ids: tuple[int, ...], tokens_as_ids: bool) -> Echo:

@@ -307,6 +307,9 @@ class CompletionAccumulator:
         for fragment in self._fragments.fragments(event):
             self._choices[fragment.index].add(fragment)
 
+    def to_json(self) -> str:
+        return self.build().to_json()
+
     def build(self) -> Completion:
         usage = self._fragments.usage
         assert usage is not None, "build() before every request completed"
