@@ -171,8 +171,10 @@ def test_tool_call_ids_are_minted_by_the_encoder_once_per_call() -> None:
     accumulator.add(Deltas(deltas=deltas))
     accumulator.add(Completed(usage=Usage(prompt_tokens=1, completion_tokens=3)))
     message = json.loads(accumulator.build().to_json())["choices"][0]["message"]
-    whole = [(c["id"][:5], c["function"]["name"]) for c in message["tool_calls"]]
-    assert whole == [("call_", "f"), ("call_", "g")]
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["f", "g"]
+    whole = [c["id"] for c in message["tool_calls"]]
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in whole)
+    assert len(set(whole)) == 2
 
 
 def test_tokens_as_ids_is_the_surfaces_choice() -> None:
