@@ -1,0 +1,2 @@
+"""What every layer shares and no API spells: actor messages, typed errors,
+the vocabulary description. Imports nothing of ours."""
