@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
         "reasoning_parser": "how reasoning is told from content (auto: from the chat template)",
         "tool_call_parser": "how tool calls are parsed (auto: from the chat template)",
         "stop_in_reasoning": "match stop strings inside reasoning too",
+        "default_chat_template_kwargs": "JSON object of chat template variables every request "
+        "starts from, e.g. '{\"enable_thinking\": false}'; a request's chat_template_kwargs "
+        "override them key by key",
         "cache_dir": "where the default model is built (default: $XDG_CACHE_HOME/sluiceway)",
         "log_level": "logging level",
     }

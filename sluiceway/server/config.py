@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -60,6 +61,10 @@ class ServerConfig:
     reasoning_parser: str = "auto"
     tool_call_parser: str = "auto"
     stop_in_reasoning: bool = False
+    #: A JSON object of chat template variables every request starts from
+    #: (``{"enable_thinking": false}``); a request's own
+    #: ``chat_template_kwargs`` override them key by key.
+    default_chat_template_kwargs: str | None = None
     cache_dir: str | None = None
     log_level: str = "info"
 
@@ -68,6 +73,7 @@ class ServerConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}")
         check_device(self.device)
+        self.template_defaults()  # refuses what is not a JSON object
         if self.keepalive_seconds <= 0:
             raise ValueError("keepalive_seconds must be positive")
         for name in (
@@ -93,6 +99,18 @@ class ServerConfig:
                 continue
             values[spec.name] = _coerce(spec.name, raw, cls.__dataclass_fields__[spec.name].type)
         return cls(**values)
+
+    def template_defaults(self) -> dict[str, Any]:
+        """``default_chat_template_kwargs``, parsed."""
+        if not self.default_chat_template_kwargs:
+            return {}
+        try:
+            value = json.loads(self.default_chat_template_kwargs)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"default_chat_template_kwargs is not JSON: {error}") from error
+        if not isinstance(value, dict):
+            raise ValueError("default_chat_template_kwargs must be a JSON object")
+        return value
 
     @property
     def model_name(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from sluiceway.actors.scheduler import SchedulerHandle
 from sluiceway.parsers.registry import ParserChoice
@@ -33,4 +34,5 @@ class ServerState:
             max_num_seqs=self.config.max_num_seqs,
             max_top_logprobs=self.config.max_top_logprobs,
             stop_in_reasoning=self.config.stop_in_reasoning,
+            default_template_kwargs=MappingProxyType(self.config.template_defaults()),
         )

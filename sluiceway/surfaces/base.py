@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from sluiceway.actors.output import OutputConfig
 from sluiceway.engines.base import EngineInfo
@@ -115,6 +115,8 @@ class Serving:
     max_num_seqs: int
     max_top_logprobs: int
     stop_in_reasoning: bool
+    #: Chat template variables every request starts from (``--default-chat-template-kwargs``).
+    default_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:

@@ -137,7 +137,10 @@ def render_conversation(
         rendered = serving.tokenizer.chat.render(
             [_template_message(message) for message in conversation.messages],
             tools=[_template_tool(tool) for tool in offered],
-            template_kwargs=conversation.template_kwargs,
+            template_kwargs={
+                **serving.default_template_kwargs,
+                **(conversation.template_kwargs or {}),
+            },
         )
     except Exception as error:  # template errors are the conversation's fault
         raise InvalidRequest(

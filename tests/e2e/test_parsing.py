@@ -4,6 +4,7 @@ follows a known token script through the real server and the openai SDK."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -11,7 +12,7 @@ import openai
 import pytest
 
 from tests.e2e import schemas
-from tests.e2e.harness import RunningServer
+from tests.e2e.harness import RunningServer, serving
 from tests.fixtures.scripted_model import ScriptedModel
 
 TOOLS: list[dict[str, Any]] = [
@@ -256,3 +257,36 @@ def test_disabled_thinking_keeps_everything_content(
     message = reply["choices"][0]["message"]
     assert "reasoning_content" not in message
     assert message["content"] == scripted.text("reasoning")
+
+
+@pytest.fixture(scope="module")
+def defaults_server(
+    scripted: ScriptedModel, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """The scripted model with template defaults that pick a script and
+    turn thinking off, as an operator would set ``enable_thinking``."""
+    defaults = json.dumps({**scripted.chat_kwargs("reasoning"), "enable_thinking": False})
+    with serving(
+        scripted.path, tmp_path_factory.mktemp("logs"), "--default-chat-template-kwargs", defaults
+    ) as running:
+        yield running
+
+
+def test_default_template_kwargs_apply_and_a_request_overrides_them(
+    defaults_server: RunningServer, scripted: ScriptedModel
+) -> None:
+    def message(**fields: Any) -> dict[str, Any]:
+        payload = {"model": defaults_server.model, "messages": MESSAGES, **fields}
+        reply = httpx.post(defaults_server.api_url + "/chat/completions", json=payload, timeout=60)
+        assert reply.status_code == 200, reply.text
+        found: dict[str, Any] = reply.json()["choices"][0]["message"]
+        return found
+
+    plain = message()  # the defaults alone: the script, thinking off
+    assert "reasoning_content" not in plain
+    assert plain["content"] == scripted.text("reasoning")
+    thinking = message(chat_template_kwargs={"enable_thinking": True})  # one key overridden
+    assert thinking["reasoning_content"]
+    assert thinking["content"] != scripted.text("reasoning")
+    other = message(chat_template_kwargs=scripted.chat_kwargs("tool_call"))
+    assert other["content"] == scripted.text("tool_call")  # no tools offered: plain text

@@ -78,7 +78,8 @@ def _other_value(spec: dataclasses.Field[Any], default: Any) -> tuple[Any, list[
     if isinstance(default, int):
         value = default + 3
         return value, [flag, str(value)], str(value)
-    return "some-value", [flag, "some-value"], "some-value"
+    text = '{"enable_thinking": false}' if spec.name.endswith("_kwargs") else "some-value"
+    return text, [flag, text], text
 
 
 def test_every_config_field_has_a_flag_and_a_variable() -> None:
