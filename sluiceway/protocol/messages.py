@@ -177,6 +177,8 @@ class TokenLogprob:
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
     requested: tuple[tuple[int, float], ...] = ()
+    #: The token's 1-based rank in its distribution (prompt logprobs only).
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -282,6 +284,9 @@ class ChoiceDelta:
     finish: FinishCause | None = None
     called_tools: bool = False
     matched_stop: str | int | None = None
+    #: Generated token ids that ride with this delta (``return_token_ids``,
+    #: the tokens surface): over a choice's deltas, every id once, in order.
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -149,6 +149,7 @@ async def handle(options: OpenAIOptions, serving: Serving, call: Call) -> None:
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         reasoning_field=options.reasoning_field,
         tokens_as_ids=fields.tokens_as_ids(options, request),
+        prompt_token_ids=prompt.ids if request.return_token_ids else None,
     )
     jobs = [Job(generation, config)]
     if request.stream:

@@ -104,4 +104,5 @@ def output_config(
         make_pipeline=make_pipeline,
         logprobs=generation.logprobs.per_token,
         include_stop_token_text=request.include_stop_str_in_output,
+        token_ids=request.return_token_ids,
     )
