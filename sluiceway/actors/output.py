@@ -111,6 +111,7 @@ class EntryFactory:
                 for t, v in logprob.top
             ),
             requested=logprob.requested,
+            rank=logprob.rank,
         )
 
 

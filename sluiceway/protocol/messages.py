@@ -249,6 +249,8 @@ class LogprobEntry:
     bytes: tuple[int, ...]
     top_logprobs: tuple[TopLogprob, ...] = ()
     requested: tuple[tuple[int, float], ...] = ()
+    #: 1-based rank in the token's distribution, where known (prompt logprobs).
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
