@@ -190,31 +190,24 @@ class ChoiceOutput:
     def _deltas(self, chunks: list[Chunk] | tuple[Chunk, ...]) -> list[ChoiceDelta]:
         if not self.with_ids:
             return [self._delta(chunk) for chunk in chunks]
-        last = len(chunks) - 1
-        return [
-            self._delta(chunk, self._ids_for(chunk, step_end=index == last))
-            for index, chunk in enumerate(chunks)
-        ]
+        return [self._delta(chunk, self._ids_for(chunk)) for chunk in chunks]
 
-    def _ids_for(self, chunk: Chunk, *, step_end: bool) -> tuple[int, ...]:
-        """The ids a chunk carries (the ownership rule of docs/alignment.md).
-
-        Every id not sent yet up to the last token whose entry rides with the
-        chunk: those tokens' first characters are in it, and ids go out in
-        order, so the markup tokens before them come along. A step's last
-        chunk also takes the ids of every token the step resolved (markup
-        that no later first character would carry). So a chunk never carries
-        text whose owner's id is still to come, and no id waits longer than
-        its text, or than the step that decided it had none.
-        """
+    def _ids_for(self, chunk: Chunk) -> tuple[int, ...]:
+        """The ids a chunk carries (the ownership rule of docs/alignment.md):
+        every id not sent yet up to the last token whose entry rides with the
+        chunk. Those tokens' first characters are in it (or they are markup
+        the assembler attached), and ids go out in order, so the markup tokens
+        before them come along; the finishing delta takes the rest. So a chunk
+        never carries text whose owner's id is still to come, and a markup
+        token's id rides with the next chunk that carries a later token's
+        first character: the first chunk after the step that decided the
+        token had no text carries one, since text still to come belongs to
+        later tokens."""
         last = -1
         for tokens in (chunk.reasoning_tokens, chunk.content_tokens, chunk.tool_call_tokens):
             if tokens and tokens[-1] > last:
                 last = tokens[-1]
-        upto = last + 1
-        if step_end:
-            upto = max(upto, self.pipeline.resolved)
-        return self._ids_up_to(upto)
+        return self._ids_up_to(last + 1)
 
     def _ids_up_to(self, end: int) -> tuple[int, ...]:
         if end <= self.ids_sent:

@@ -154,11 +154,6 @@ class ChunkAssembler:
         self._pending: dict[Channel, list[int]] = {channel: [] for channel in VISIBLE_CHANNELS}
         self.counts: dict[Channel, int] = dict.fromkeys(VISIBLE_CHANNELS, 0)
 
-    @property
-    def resolved(self) -> int:
-        """How many tokens are resolved: none of their text can come later."""
-        return self._floor
-
     def register(self, token: int, open_channel: Channel) -> None:
         """Note a fed token and the channel open when it was fed."""
         self._unresolved.append(token)

@@ -83,11 +83,6 @@ class ChoicePipeline:
         return self._stop.matched if self._stop is not None else None
 
     @property
-    def resolved(self) -> int:
-        """How many tokens are resolved (every token below has all its text out)."""
-        return self._assembler.resolved
-
-    @property
     def matches_stops(self) -> bool:
         """Whether this path matches stop strings."""
         return self._stop is not None
