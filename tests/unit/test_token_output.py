@@ -4,6 +4,11 @@ where they complete, their tokens' ids included."""
 
 from __future__ import annotations
 
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from sluiceway.actors.output import OutputConfig, RequestOutputs
 from sluiceway.parsers.registry import TextPathOptions, build_pipeline
 from sluiceway.protocol.messages import (
@@ -18,6 +23,12 @@ from sluiceway.protocol.messages import (
     Usage,
 )
 from sluiceway.protocol.tokens import TokenTable
+from sluiceway.surfaces.tokens.encoder import (
+    GenerateAccumulator,
+    GenerateReplyConfig,
+    GenerateStreamEncoder,
+)
+from tests.parsers.harness import Tokenized, examples, tokenizations
 
 EOS, STOP_ID = 0, 9
 #: "Caf" "é" split over two tokens, " S" "TO" "P!" (the stop string STOP over three).
@@ -135,4 +146,86 @@ def test_a_stop_token_id_is_the_matched_stop() -> None:
         (STOP_ID,),
         FinishCause.STOP_TOKEN,
         STOP_ID,
+    )
+
+
+@st.composite
+def generations(draw: st.DrawFn) -> tuple[Tokenized, tuple[str, ...], int, list[list[int]]]:
+    """A document split into random tokens, stop strings from it (or none),
+    and how ``n`` choices' tokens arrive step by step (each choice its own
+    copy of the document, starting at a random offset)."""
+    text = draw(st.text(st.sampled_from(list("ab é€STOP")), min_size=1, max_size=24))
+    tokenized = draw(tokenizations(text, eos=True))
+    stops: tuple[str, ...] = ()
+    if draw(st.booleans()):
+        start = draw(st.integers(0, len(text) - 1))
+        stops = (
+            text[start : start + draw(st.integers(1, 3))],
+            *draw(st.lists(st.sampled_from(["STOP", "é", "b a"]), max_size=2)),
+        )
+    n = draw(st.integers(1, 3))
+    offsets = [draw(st.integers(0, len(tokenized.ids) - 1)) for _ in range(n)]
+    return tokenized, stops, n, [list(tokenized.ids[o:]) for o in offsets]
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(case=generations(), logprobs=st.booleans())
+def test_streamed_ids_are_the_whole_replys_ids(
+    case: tuple[Tokenized, tuple[str, ...], int, list[list[int]]], logprobs: bool
+) -> None:
+    tokenized, stops, n, scripts = case
+    table = tokenized.table
+    config = OutputConfig(
+        request_id="g",
+        n=n,
+        prompt_ids=(0,),
+        table=table,
+        make_pipeline=lambda: build_pipeline(table, TextPathOptions(stop=stops)),
+        logprobs=logprobs,
+        ids_only=True,
+    )
+    core = RequestOutputs(config, Finisher())
+    reply = GenerateReplyConfig(reply_id="g", created=1, model="m", n=n, logprobs=logprobs)
+    stream, whole = GenerateStreamEncoder(reply), GenerateAccumulator(reply)
+    frames = b""
+    eos = table.hidden
+    for position in range(max(map(len, scripts))):
+        samples = tuple(
+            TokenSample(
+                choice=c,
+                token_id=ids[position],
+                logprob=TokenLogprob(logprob=-0.25 * ids[position]),
+                finish=FinishCause.EOS if ids[position] in eos else None,
+            )
+            for c, ids in enumerate(scripts)
+            if position < len(ids)
+        )
+        for event in core.handle(StepOutput(samples=samples)):
+            frames += stream.encode(event)
+            whole.add(event)
+    for event in core.close():
+        frames += stream.encode(event)
+        whole.add(event)
+    chunks = [json.loads(f[6:]) for f in frames.split(b"\n\n") if f.startswith(b"data: {")]
+    reply_json = json.loads(whole.to_json())
+    for choice in reply_json["choices"]:
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == choice["index"]]
+        assert [t for c in mine for t in c["token_ids"]] == choice["token_ids"]
+        for c in mine:
+            if logprobs and c["token_ids"]:
+                assert [e["token"] for e in c["logprobs"]["content"]] == [
+                    f"token_id:{t}" for t in c["token_ids"]
+                ]
+        # The ids are the script's, up to where the choice ended: EOS, or the
+        # token that completed a stop string (the text path decides that).
+        ids = scripts[choice["index"]]
+        assert choice["token_ids"] == ids[: len(choice["token_ids"])]
+        if choice["matched_stop"] is None:
+            assert choice["token_ids"] == ids
+        else:
+            text = table.decode(choice["token_ids"])
+            assert choice["matched_stop"] in stops
+            assert choice["matched_stop"] in text
+    assert reply_json["usage"]["completion_tokens"] == sum(
+        len(c["token_ids"]) for c in reply_json["choices"]
     )
