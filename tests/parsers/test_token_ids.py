@@ -30,7 +30,7 @@ from .harness import (
     home_chunks,
     tokenize,
 )
-from .test_pipeline_contract import cases
+from .test_pipeline_contract import MIXED_CASE, cases
 
 
 class RecordingPipeline(ChoicePipeline):
@@ -144,17 +144,7 @@ def assert_ownership(result: IdsRun) -> None:
 
 @settings(max_examples=examples(300), deadline=None)
 @given(case=cases())
-@example(
-    case=(
-        TextPathOptions(reasoning_parser="qwen3", tool_parser="hermes", stop=("STOP",)),
-        '<think>a<b</think>\n\nx<tool_call>{"name": "f", "arguments": {"k": "é"}}</tool_call>STOP',
-        tokenize(
-            '<think>a<b</think>\n\nx<tool_call>{"name": "f", "arguments": {"k": "é"}}</tool_call>STOP'.encode(),
-            range(1, 200, 3),
-            eos=True,
-        ),
-    )
-)
+@example(case=MIXED_CASE)
 def test_token_ids_follow_the_ownership_rule(case: tuple[TextPathOptions, str, Tokenized]) -> None:
     options, _, tokenized = case
     assert_ownership(run_with_ids(tokenized, options))

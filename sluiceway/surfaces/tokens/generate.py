@@ -8,7 +8,6 @@ match ``stop`` strings, when the request has some.
 
 from __future__ import annotations
 
-import re
 import time
 
 from sluiceway.actors.output import OutputConfig
@@ -25,7 +24,6 @@ from sluiceway.surfaces.tokens.encoder import (
 from sluiceway.surfaces.tokens.wire import GenerateRequest, SamplingParamsWire
 
 _PARAMS = "sampling_params."
-_TOKEN_KEY = re.compile(r"-?[0-9]+")
 _LIMIT_NAMES = validation.LimitParamNames(
     prompt="token_ids",
     max_tokens=_PARAMS + "max_tokens",
@@ -83,13 +81,6 @@ def _logprobs(serving: Serving, params: SamplingParamsWire) -> LogprobParams:
 def _generation(serving: Serving, request: GenerateRequest) -> GenerationRequest:
     params = request.sampling_params
     prompt = validation.checked_ids(request.token_ids, serving.vocab_size, "token_ids")
-    bias = []
-    for key, value in (params.logit_bias or {}).items():
-        if not _TOKEN_KEY.fullmatch(key.strip()):
-            raise InvalidRequest(
-                f"logit_bias key {key!r} is not a token id", param=_PARAMS + "logit_bias"
-            )
-        bias.append((int(key), value))
     sampling = validation.Sampling(
         temperature=params.temperature,
         top_p=params.top_p,
@@ -99,7 +90,7 @@ def _generation(serving: Serving, request: GenerateRequest) -> GenerationRequest
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
-        logit_bias=tuple(bias),
+        logit_bias=validation.logit_bias(params.logit_bias, param=_PARAMS + "logit_bias"),
     )
     return GenerationRequest(
         request_id=new_id("gen"),
