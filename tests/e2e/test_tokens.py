@@ -320,6 +320,15 @@ def test_tokenize_detokenize_and_tokenizer_info(server: RunningServer) -> None:
     bare = post(server, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
     assert prompt_ids[: bare["count"]] == bare["tokens"]
     assert bare["count"] < len(prompt_ids)
+    opened = [*MESSAGES, {"role": "assistant", "content": "Sure"}]
+    continued = post(
+        server,
+        "/tokenize",
+        {"messages": opened, "add_generation_prompt": False, "continue_final_message": True},
+    )
+    assert post(server, "/detokenize", {"tokens": continued["tokens"]})["prompt"].endswith("Sure")
+    both = {"messages": opened, "continue_final_message": True}
+    assert httpx.post(server.base_url + "/tokenize", json=both, timeout=30).status_code == 400
     info = httpx.get(server.base_url + "/tokenizer_info", timeout=30).json()
     assert info["tokenizer_class"]
     assert "{%" in info["chat_template"]
