@@ -11,10 +11,11 @@ appends to the prompt comes from the parser registry.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from sluiceway.engines.tokenizer import ChatRender
 from sluiceway.parsers.registry import (
     TextPathOptions,
     ToolSchema,
@@ -23,42 +24,11 @@ from sluiceway.parsers.registry import (
 )
 from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.surfaces.base import Serving
-
-
-class Role(enum.Enum):
-    SYSTEM = "system"
-    USER = "user"
-    ASSISTANT = "assistant"
-    TOOL = "tool"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ToolCall:
-    """A call an assistant turn made (passed back in the history)."""
-
-    id: str
-    name: str
-    #: The arguments as the model wrote them: a JSON object's text.
-    arguments: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Message:
-    """One turn of a conversation, in any surface's terms.
-
-    A system turn may sit anywhere in the history; an assistant turn may
-    carry the reasoning (thinking) it produced and the tool calls it made; a
-    tool turn is the result of the call ``tool_call_id``, ``is_error`` when
-    the tool reports a failure.
-    """
-
-    role: Role
-    text: str = ""
-    reasoning: str = ""
-    tool_calls: tuple[ToolCall, ...] = ()
-    tool_call_id: str | None = None
-    name: str | None = None
-    is_error: bool = False
+from sluiceway.surfaces.exact_turns import TurnIdsError, splice
+from sluiceway.surfaces.turns import Message as Message
+from sluiceway.surfaces.turns import Role as Role
+from sluiceway.surfaces.turns import ToolCall as ToolCall
+from sluiceway.surfaces.turns import TurnIds as TurnIds
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,6 +79,11 @@ class ConversationParams:
     tools: str = "tools"
     tool_choice: str = "tool_choice"
 
+    def message_field(self, index: int, field: str | None) -> str:
+        """A field of one message (``messages[3].prompt_token_ids``)."""
+        where = f"{self.messages}[{index}]"
+        return where if field is None else f"{where}.{field}"
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StopOptions:
@@ -123,6 +98,9 @@ class StopOptions:
 class RenderedPrompt:
     ids: tuple[int, ...]
     options: TextPathOptions
+    #: How many leading ids were the client's own (an assistant message's
+    #: ``prompt_token_ids`` + ``generation_token_ids``); None: none were sent.
+    reused: int | None = None
 
 
 def render_conversation(
@@ -136,22 +114,8 @@ def render_conversation(
     Blocking (template rendering and tokenization): run it in a worker thread.
     """
     parse_tools, forced = _tool_mode(serving, conversation, params)
-    offered = () if _mode(conversation) is ToolChoiceMode.NONE else conversation.tools
-    try:
-        rendered = serving.tokenizer.chat.render(
-            [_template_message(message) for message in conversation.messages],
-            tools=[_template_tool(tool) for tool in offered],
-            template_kwargs={
-                **serving.default_template_kwargs,
-                **(conversation.template_kwargs or {}),
-            },
-            add_generation_prompt=conversation.add_generation_prompt,
-            continue_final_message=conversation.continue_final_message,
-        )
-    except Exception as error:  # template errors are the conversation's fault
-        raise InvalidRequest(
-            f"the chat template could not render these messages: {error}", param=params.messages
-        ) from error
+    render = _renderer(serving, conversation, params)
+    rendered = render(conversation.messages)
     parsers = serving.parsers
     forced_prefix = ""
     if forced is not None and parsers.tools is not None:
@@ -172,8 +136,68 @@ def render_conversation(
         assistant_prefix=rendered.assistant_prefix,
         forced_prefix=forced_prefix,
     )
+    try:
+        exact = splice(
+            conversation.messages,
+            render=lambda messages, generation, continued: (
+                render(messages, generation, continued).text
+            ),
+            encode=serving.tokenizer.encode,
+            vocab_size=serving.vocab_size,
+            add_generation_prompt=conversation.add_generation_prompt,
+            continue_final_message=conversation.continue_final_message,
+            extra_text=forced_prefix,
+        )
+    except TurnIdsError as error:
+        raise InvalidRequest(
+            error.reason, param=params.message_field(error.index, error.field)
+        ) from error
+    if exact is not None:
+        return RenderedPrompt(exact.ids, options, exact.reused)
     ids = serving.tokenizer.encode(rendered.text + forced_prefix)
     return RenderedPrompt(tuple(ids), options)
+
+
+class _Render(Protocol):
+    def __call__(
+        self,
+        messages: Sequence[Message],
+        generation_prompt: bool | None = None,
+        continued: bool | None = None,
+    ) -> ChatRender: ...
+
+
+def _renderer(serving: Serving, conversation: Conversation, params: ConversationParams) -> _Render:
+    """The chat template bound to the conversation's tools and variables
+    (the generation prompt and continuation default to the conversation's)."""
+    offered = () if _mode(conversation) is ToolChoiceMode.NONE else conversation.tools
+    tools = [_template_tool(tool) for tool in offered]
+    template_kwargs = {**serving.default_template_kwargs, **(conversation.template_kwargs or {})}
+
+    def render(
+        messages: Sequence[Message],
+        generation_prompt: bool | None = None,
+        continued: bool | None = None,
+    ) -> ChatRender:
+        try:
+            return serving.tokenizer.chat.render(
+                [_template_message(message) for message in messages],
+                tools=tools,
+                template_kwargs=template_kwargs,
+                add_generation_prompt=conversation.add_generation_prompt
+                if generation_prompt is None
+                else generation_prompt,
+                continue_final_message=conversation.continue_final_message
+                if continued is None
+                else continued,
+            )
+        except Exception as error:  # template errors are the conversation's fault
+            raise InvalidRequest(
+                f"the chat template could not render these messages: {error}",
+                param=params.messages,
+            ) from error
+
+    return render
 
 
 def _mode(conversation: Conversation) -> ToolChoiceMode:

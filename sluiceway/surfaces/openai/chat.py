@@ -22,6 +22,7 @@ from sluiceway.surfaces.conversation import (
     ToolChoice,
     ToolChoiceMode,
     ToolSpec,
+    TurnIds,
     render_conversation,
 )
 from sluiceway.surfaces.openai import fields
@@ -63,6 +64,19 @@ def _message(message: ChatMessage) -> Message:
         ),
         tool_call_id=message.tool_call_id,
         name=message.name,
+        ids=_ids(message),
+    )
+
+
+def _ids(message: ChatMessage) -> TurnIds | None:
+    generation = message.generation_token_ids
+    if generation is None:
+        generation = message.token_ids
+    if message.prompt_token_ids is None and generation is None:
+        return None
+    return TurnIds(
+        prompt=None if message.prompt_token_ids is None else tuple(message.prompt_token_ids),
+        generation=None if generation is None else tuple(generation),
     )
 
 
@@ -172,6 +186,7 @@ async def handle(options: OpenAIOptions, serving: Serving, call: Call) -> None:
         reasoning_field=options.reasoning_field,
         tokens_as_ids=fields.tokens_as_ids(options, request),
         prompt_token_ids=prompt.ids if request.return_token_ids else None,
+        reused_prompt_tokens=prompt.reused,
     )
     jobs = [Job(generation, config)]
     if request.stream:
