@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sluiceway.engines.tokenizer import ChatRender
+from sluiceway.engines.tokenizer import ChatRender, ModelTokenizer
 from sluiceway.parsers.registry import (
     TextPathOptions,
     ToolSchema,
@@ -24,7 +24,7 @@ from sluiceway.parsers.registry import (
 )
 from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.surfaces.base import Serving
-from sluiceway.surfaces.exact_turns import TurnIdsError, splice
+from sluiceway.surfaces.exact_turns import TurnIdsError, prefix_preserving, splice
 from sluiceway.surfaces.turns import Message as Message
 from sluiceway.surfaces.turns import Role as Role
 from sluiceway.surfaces.turns import ToolCall as ToolCall
@@ -267,3 +267,23 @@ def _template_tool(tool: ToolSpec) -> dict[str, Any]:
     if tool.strict is not None:
         function["strict"] = tool.strict
     return {"type": "function", "function": function}
+
+
+def template_probes(
+    tokenizer: ModelTokenizer, template_kwargs: Mapping[str, Any]
+) -> dict[str, bool | None]:
+    """Whether the served template is prefix-preserving for a user message
+    and a tool result after an assistant turn (``/tokenizer_info``); run
+    once at start-up. Empty when the model has no chat template."""
+    if not tokenizer.chat.source:
+        return {}
+
+    def render(messages: Sequence[Message], generation_prompt: bool, continued: bool) -> str:
+        return tokenizer.chat.render(
+            [_template_message(message) for message in messages],
+            template_kwargs=template_kwargs,
+            add_generation_prompt=generation_prompt,
+            continue_final_message=continued,
+        ).text
+
+    return prefix_preserving(render)

@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sluiceway.surfaces.turns import Message, Role, TurnIds
+from sluiceway.surfaces.turns import Message, Role, ToolCall, TurnIds
 
 #: Stands in for the assistant message whose ids are spliced; plain ASCII so
 #: that no template escapes it, unlikely enough never to occur by accident.
@@ -221,3 +221,41 @@ def _overlap(generation: Sequence[int], close: Sequence[int]) -> int:
         if tuple(generation[-length:]) == tuple(close[:length]):
             return length
     return 0
+
+
+#: The histories the start-up probe renders: an assistant turn that reasoned
+#: and then answered (a user message follows) or called a tool (its result
+#: follows). Reasoning is where templates most often rewrite history.
+_PROBE_USER = Message(role=Role.USER, text="What is 2 + 2?")
+_PROBE_ANSWER = Message(role=Role.ASSISTANT, reasoning="Two and two.", text="4")
+_PROBE_CALL = Message(
+    role=Role.ASSISTANT,
+    reasoning="I should use the tool.",
+    tool_calls=(ToolCall(id="call_probe", name="add", arguments='{"a": 2, "b": 2}'),),
+)
+_PROBES = {
+    "user": ((_PROBE_USER, _PROBE_ANSWER), Message(role=Role.USER, text="And 3 + 3?")),
+    "tool": (
+        (_PROBE_USER, _PROBE_CALL),
+        Message(role=Role.TOOL, text="4", tool_call_id="call_probe", name="add"),
+    ),
+}
+
+
+def prefix_preserving(render: Render) -> dict[str, bool | None]:
+    """Whether re-rendering keeps the earlier prompt as a prefix when a user
+    message (``user``) or a tool result (``tool``) follows an assistant turn
+    that reasoned: the history rendered on its own must begin the rendering
+    with the new message and the generation prompt. None: the template
+    cannot render the probe. Where it is False, only the ids keep the
+    multi-turn invariant."""
+    results: dict[str, bool | None] = {}
+    for name, (history, new) in _PROBES.items():
+        try:
+            before = render(history, False, False)
+            after = render((*history, new), True, False)
+        except Exception:  # a template that cannot render the probe tells nothing
+            results[name] = None
+            continue
+        results[name] = after.startswith(before)
+    return results
