@@ -24,7 +24,7 @@ from sluiceway.parsers.registry import (
 )
 from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.surfaces.base import Serving
-from sluiceway.surfaces.exact_turns import TurnIdsError, prefix_preserving, splice
+from sluiceway.surfaces.exact_turns import Render, TurnIdsError, prefix_preserving, splice
 from sluiceway.surfaces.turns import Message as Message
 from sluiceway.surfaces.turns import Role as Role
 from sluiceway.surfaces.turns import ToolCall as ToolCall
@@ -269,6 +269,25 @@ def _template_tool(tool: ToolSpec) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
+def template_renderer(
+    tokenizer: ModelTokenizer, template_kwargs: Mapping[str, Any], tools: Sequence[ToolSpec] = ()
+) -> Render:
+    """The chat template as the splice and the probes call it: neutral
+    messages and the two flags -> the rendered text."""
+    offered = [_template_tool(tool) for tool in tools]
+
+    def render(messages: Sequence[Message], generation_prompt: bool, continued: bool) -> str:
+        return tokenizer.chat.render(
+            [_template_message(message) for message in messages],
+            tools=offered,
+            template_kwargs=template_kwargs,
+            add_generation_prompt=generation_prompt,
+            continue_final_message=continued,
+        ).text
+
+    return render
+
+
 def template_probes(
     tokenizer: ModelTokenizer, template_kwargs: Mapping[str, Any]
 ) -> dict[str, bool | None]:
@@ -277,13 +296,4 @@ def template_probes(
     once at start-up. Empty when the model has no chat template."""
     if not tokenizer.chat.source:
         return {}
-
-    def render(messages: Sequence[Message], generation_prompt: bool, continued: bool) -> str:
-        return tokenizer.chat.render(
-            [_template_message(message) for message in messages],
-            template_kwargs=template_kwargs,
-            add_generation_prompt=generation_prompt,
-            continue_final_message=continued,
-        ).text
-
-    return prefix_preserving(render)
+    return prefix_preserving(template_renderer(tokenizer, template_kwargs))
