@@ -11,9 +11,9 @@ appends to the prompt comes from the parser registry.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from sluiceway.engines.tokenizer import ChatRender, ModelTokenizer
 from sluiceway.parsers.registry import (
@@ -79,9 +79,13 @@ class ConversationParams:
     tools: str = "tools"
     tool_choice: str = "tool_choice"
 
+    #: Where each neutral message came from, for a surface whose items do
+    #: not map one to one onto messages (``input[4]``); empty: ``messages[i]``.
+    locations: tuple[str, ...] = ()
+
     def message_field(self, index: int, field: str | None) -> str:
         """A field of one message (``messages[3].prompt_token_ids``)."""
-        where = f"{self.messages}[{index}]"
+        where = self.locations[index] if self.locations else f"{self.messages}[{index}]"
         return where if field is None else f"{where}.{field}"
 
 
@@ -115,7 +119,8 @@ def render_conversation(
     """
     parse_tools, forced = _tool_mode(serving, conversation, params)
     render = _renderer(serving, conversation, params)
-    rendered = render(conversation.messages)
+    flags = (conversation.add_generation_prompt, conversation.continue_final_message)
+    rendered = render(conversation.messages, *flags)
     parsers = serving.parsers
     forced_prefix = ""
     if forced is not None and parsers.tools is not None:
@@ -144,8 +149,8 @@ def render_conversation(
             ),
             encode=serving.tokenizer.encode,
             vocab_size=serving.vocab_size,
-            add_generation_prompt=conversation.add_generation_prompt,
-            continue_final_message=conversation.continue_final_message,
+            add_generation_prompt=flags[0],
+            continue_final_message=flags[1],
             extra_text=forced_prefix,
         )
     except TurnIdsError as error:
@@ -158,39 +163,39 @@ def render_conversation(
     return RenderedPrompt(tuple(ids), options)
 
 
-class _Render(Protocol):
-    def __call__(
-        self,
-        messages: Sequence[Message],
-        generation_prompt: bool | None = None,
-        continued: bool | None = None,
-    ) -> ChatRender: ...
+#: (messages, add_generation_prompt, continue_final_message) -> the rendering.
+_ChatRenderer = Callable[[Sequence[Message], bool, bool], ChatRender]
 
 
-def _renderer(serving: Serving, conversation: Conversation, params: ConversationParams) -> _Render:
-    """The chat template bound to the conversation's tools and variables
-    (the generation prompt and continuation default to the conversation's)."""
+def _bound(
+    tokenizer: ModelTokenizer, template_kwargs: Mapping[str, Any], tools: Sequence[ToolSpec]
+) -> _ChatRenderer:
+    """The one chat template, bound to the tools and template variables."""
+    offered = [_template_tool(tool) for tool in tools]
+
+    def render(messages: Sequence[Message], generation_prompt: bool, continued: bool) -> ChatRender:
+        return tokenizer.chat.render(
+            [_template_message(message) for message in messages],
+            tools=offered,
+            template_kwargs=template_kwargs,
+            add_generation_prompt=generation_prompt,
+            continue_final_message=continued,
+        )
+
+    return render
+
+
+def _renderer(
+    serving: Serving, conversation: Conversation, params: ConversationParams
+) -> _ChatRenderer:
+    """The template bound to the conversation; its errors are the request's."""
     offered = () if _mode(conversation) is ToolChoiceMode.NONE else conversation.tools
-    tools = [_template_tool(tool) for tool in offered]
     template_kwargs = {**serving.default_template_kwargs, **(conversation.template_kwargs or {})}
+    bound = _bound(serving.tokenizer, template_kwargs, offered)
 
-    def render(
-        messages: Sequence[Message],
-        generation_prompt: bool | None = None,
-        continued: bool | None = None,
-    ) -> ChatRender:
+    def render(messages: Sequence[Message], generation_prompt: bool, continued: bool) -> ChatRender:
         try:
-            return serving.tokenizer.chat.render(
-                [_template_message(message) for message in messages],
-                tools=tools,
-                template_kwargs=template_kwargs,
-                add_generation_prompt=conversation.add_generation_prompt
-                if generation_prompt is None
-                else generation_prompt,
-                continue_final_message=conversation.continue_final_message
-                if continued is None
-                else continued,
-            )
+            return bound(messages, generation_prompt, continued)
         except Exception as error:  # template errors are the conversation's fault
             raise InvalidRequest(
                 f"the chat template could not render these messages: {error}",
@@ -274,18 +279,8 @@ def template_renderer(
 ) -> Render:
     """The chat template as the splice and the probes call it: neutral
     messages and the two flags -> the rendered text."""
-    offered = [_template_tool(tool) for tool in tools]
-
-    def render(messages: Sequence[Message], generation_prompt: bool, continued: bool) -> str:
-        return tokenizer.chat.render(
-            [_template_message(message) for message in messages],
-            tools=offered,
-            template_kwargs=template_kwargs,
-            add_generation_prompt=generation_prompt,
-            continue_final_message=continued,
-        ).text
-
-    return render
+    bound = _bound(tokenizer, template_kwargs, tools)
+    return lambda messages, generation, continued: bound(messages, generation, continued).text
 
 
 def template_probes(

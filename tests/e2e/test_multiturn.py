@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from tests.e2e.harness import RunningServer
 from tests.e2e.test_parsing import TOOLS
+from tests.e2e.test_tokens import events, streamed_ids
 from tests.fixtures.scripted_model import EXAMPLE_STOP, ScriptedModel
 
 CHAT = "/v1/chat/completions"
@@ -227,7 +228,7 @@ def test_openai_sdk_extra_body_carries_the_ids(
         prompt = (first.model_extra or {})["prompt_token_ids"]
         choice = first.choices[0]
         generated = (choice.model_extra or {})["token_ids"]
-        (call,) = choice.message.tool_calls or ()
+        (call,) = list(choice.message.tool_calls or [])
         messages += [
             {
                 **choice.message.model_dump(exclude_none=True),
@@ -336,3 +337,15 @@ def test_every_later_turn_reuses_the_cached_prefix(
     for before, reply in itertools.pairwise(replies):
         kept = len(before["prompt_token_ids"]) + len(before["choices"][0]["token_ids"])
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= kept - 1
+
+
+def test_streamed_reply_reports_the_reused_ids_on_its_first_chunk(
+    scripted_server: RunningServer, scripted: ScriptedModel
+) -> None:
+    messages, body = _first_turn(scripted_server, scripted)
+    whole = chat(scripted_server, {**body, "messages": messages})
+    chunks = events(scripted_server, CHAT, {**body, "messages": messages})
+    assert chunks[0]["reused_prompt_tokens"] == whole["reused_prompt_tokens"]
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert all("reused_prompt_tokens" not in chunk for chunk in chunks[1:])
+    assert streamed_ids(chunks) == whole["choices"][0]["token_ids"]

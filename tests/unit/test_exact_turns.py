@@ -43,9 +43,9 @@ def ids_of(tokenizer: ModelTokenizer, render: Render, messages: Sequence[Message
 
 
 def run(
-    tokenizer: ModelTokenizer, render: Render, messages: Sequence[Message], **flags: bool
+    tokenizer: ModelTokenizer, render: Render, messages: Sequence[Message]
 ) -> ExactPrompt | None:
-    return splice(messages, render=render, encode=tokenizer.encode, vocab_size=VOCAB, **flags)
+    return splice(messages, render=render, encode=tokenizer.encode, vocab_size=VOCAB)
 
 
 def answered(tokenizer: ModelTokenizer, render: Render, text: str, *, eos: bool) -> Message:
