@@ -218,13 +218,17 @@ def test_openai_sdk_extra_body_carries_the_ids(
     kwargs = scripted.chat_kwargs("tool_call")
     messages: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
     with openai.OpenAI(base_url=scripted_server.api_url, api_key="unused") as client:
-        first = client.chat.completions.create(
-            model=scripted_server.model,
-            messages=messages,
-            tools=TOOLS,  # type: ignore[arg-type]
-            temperature=0,
-            extra_body={"return_token_ids": True, "chat_template_kwargs": kwargs},
-        )
+
+        def create() -> Any:
+            return client.chat.completions.create(
+                model=scripted_server.model,
+                messages=messages,
+                tools=TOOLS,  # type: ignore[arg-type]
+                temperature=0,
+                extra_body={"return_token_ids": True, "chat_template_kwargs": kwargs},
+            )
+
+        first = create()
         prompt = (first.model_extra or {})["prompt_token_ids"]
         choice = first.choices[0]
         generated = (choice.model_extra or {})["token_ids"]
@@ -237,13 +241,7 @@ def test_openai_sdk_extra_body_carries_the_ids(
             },
             {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
         ]
-        second = client.chat.completions.create(
-            model=scripted_server.model,
-            messages=messages,
-            tools=TOOLS,  # type: ignore[arg-type]
-            temperature=0,
-            extra_body={"return_token_ids": True, "chat_template_kwargs": kwargs},
-        )
+        second = create()
     extra = second.model_extra or {}
     assert extra["prompt_token_ids"][: len(prompt) + len(generated)] == prompt + generated
     assert extra["reused_prompt_tokens"] == len(prompt) + len(generated)
