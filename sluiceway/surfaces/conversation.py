@@ -24,7 +24,13 @@ from sluiceway.parsers.registry import (
 )
 from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.surfaces.base import Serving
-from sluiceway.surfaces.exact_turns import Render, TurnIdsError, prefix_preserving, splice
+from sluiceway.surfaces.exact_turns import (
+    ExactPrompt,
+    Render,
+    TurnIdsError,
+    prefix_preserving,
+    splice,
+)
 from sluiceway.surfaces.turns import Message as Message
 from sluiceway.surfaces.turns import Role as Role
 from sluiceway.surfaces.turns import ToolCall as ToolCall
@@ -141,26 +147,36 @@ def render_conversation(
         assistant_prefix=rendered.assistant_prefix,
         forced_prefix=forced_prefix,
     )
+    exact = _exact(serving, conversation, render, forced_prefix, params)
+    if exact is not None:
+        return RenderedPrompt(exact.ids, options, exact.reused)
+    ids = serving.tokenizer.encode(rendered.text + forced_prefix)
+    return RenderedPrompt(tuple(ids), options)
+
+
+def _exact(
+    serving: Serving,
+    conversation: Conversation,
+    render: _ChatRenderer,
+    forced_prefix: str,
+    params: ConversationParams,
+) -> ExactPrompt | None:
+    """The prompt from an assistant message's own ids (None: no message has any)."""
     try:
-        exact = splice(
+        return splice(
             conversation.messages,
             render=lambda messages, generation, continued: (
                 render(messages, generation, continued).text
             ),
             encode=serving.tokenizer.encode,
             vocab_size=serving.vocab_size,
-            add_generation_prompt=flags[0],
-            continue_final_message=flags[1],
+            add_generation_prompt=conversation.add_generation_prompt,
+            continue_final_message=conversation.continue_final_message,
             extra_text=forced_prefix,
         )
     except TurnIdsError as error:
-        raise InvalidRequest(
-            error.reason, param=params.message_field(error.index, error.field)
-        ) from error
-    if exact is not None:
-        return RenderedPrompt(exact.ids, options, exact.reused)
-    ids = serving.tokenizer.encode(rendered.text + forced_prefix)
-    return RenderedPrompt(tuple(ids), options)
+        where = params.message_field(error.index, error.field)
+        raise InvalidRequest(f"{where}: {error.reason}", param=where) from error
 
 
 #: (messages, add_generation_prompt, continue_final_message) -> the rendering.

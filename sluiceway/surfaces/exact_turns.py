@@ -96,7 +96,7 @@ def _check(index: int, role: Role, ids: TurnIds, vocab_size: int) -> _Latest:
     for name, values in fields:
         if values is None:
             present = PROMPT_IDS if name == GENERATION_IDS else GENERATION_IDS
-            raise TurnIdsError(index, name, f"is required with {present}")
+            raise TurnIdsError(index, name, f"missing; it comes with {present}")
         if role is not Role.ASSISTANT:
             raise TurnIdsError(index, name, "only assistant messages carry token ids")
         for token in values:
@@ -209,7 +209,7 @@ def _check_leading(
         raise TurnIdsError(
             latest,
             PROMPT_IDS,
-            f"does not begin with what messages 0..{count - 1} render to "
+            f"it does not begin with what messages 0..{count - 1} render to "
             f"({len(expected)} ids); these ids belong to another conversation",
         )
 
