@@ -7,12 +7,13 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import anyio
 
 from sluiceway.actors.scheduler import SchedulerConfig, SchedulerHandle
 from sluiceway.protocol.errors import AuthenticationFailed, ClientError, NotFound
+from sluiceway.server import playground
 from sluiceway.server.config import ServerConfig
 from sluiceway.server.handlers import chat, completions, info
 from sluiceway.server.http import (
@@ -44,6 +45,10 @@ class SluicewayApp:
         self.config = config
         self.state: ServerState | None = None
         self._router: Router | None = None
+        self._playground: Mapping[str, playground.Asset] = (
+            playground.load_assets() if config.playground else {}
+        )
+        self._public_paths = PUBLIC_PATHS | playground.public_paths(self._playground)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -104,6 +109,7 @@ class SluicewayApp:
                 "/v1/models/{model}": {"GET": bind(info.model)},
                 "/v1/chat/completions": {"POST": bind(chat.handle)},
                 "/v1/completions": {"POST": bind(completions.handle)},
+                **(playground.routes(self._playground) if self._playground else {}),
             }
         )
 
@@ -139,7 +145,7 @@ class SluicewayApp:
 
     def _authenticate(self, scope: Scope, path: str) -> None:
         key = self.config.api_key
-        if not key or path in PUBLIC_PATHS:
+        if not key or path in self._public_paths:
             return
         for name, value in scope.get("headers", ()):
             if name == b"authorization":

@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tool_call_parser": "how tool calls are parsed (auto: from the chat template)",
         "stop_in_reasoning": "match stop strings inside reasoning too",
         "cache_dir": "where the default model is built (default: $XDG_CACHE_HOME/sluiceway)",
+        "playground": "serve the playground page at / and /playground (no API key needed)",
         "log_level": "logging level",
     }
     for spec in dataclasses.fields(ServerConfig):

@@ -59,6 +59,7 @@ class ServerConfig:
     tool_call_parser: str = "auto"
     stop_in_reasoning: bool = False
     cache_dir: str | None = None
+    playground: bool = True
     log_level: str = "info"
 
     def __post_init__(self) -> None:

@@ -1,0 +1,262 @@
+// The playground: a conversation with the server's own /v1/chat/completions
+// over SSE. The API key lives in a variable of this module only (never in
+// storage) and goes out as `Authorization: Bearer` on this page's requests.
+
+import { el } from "./dom.js";
+import { parseExtra, parseTools, requestBody, TOOLS_EXAMPLE } from "./settings.js";
+import { sseJson } from "./sse.js";
+import { Inspector, legendItems } from "./tokens.js";
+import { AssistantTurn } from "./turn.js";
+
+const $ = (id) => document.getElementById(id);
+
+const state = {
+  apiKey: "",
+  history: [],
+  controller: null,
+  pendingResults: [],
+};
+
+class ApiError extends Error {
+  constructor(error, status) {
+    const where = [error.type, error.param && `param ${error.param}`, error.code].filter(Boolean).join(", ");
+    super(`${status ? `HTTP ${status}: ` : ""}${error.message ?? "error"}${where ? ` (${where})` : ""}`);
+    this.status = status;
+  }
+}
+
+async function errorOf(response) {
+  const text = await response.text();
+  try {
+    const body = JSON.parse(text);
+    if (body && typeof body.error === "object") return new ApiError(body.error, response.status);
+  } catch {
+    // Not JSON: a proxy's page, say. Its text is shown as it is.
+  }
+  return new ApiError({ message: text.slice(0, 300) || response.statusText }, response.status);
+}
+
+function headers(json) {
+  const all = json ? { "content-type": "application/json" } : {};
+  if (state.apiKey) all.authorization = `Bearer ${state.apiKey}`;
+  return all;
+}
+
+function announce(text) {
+  $("status").textContent = text;
+}
+
+function showError(text) {
+  const box = $("error");
+  box.textContent = text;
+  box.hidden = !text;
+}
+
+function setBusy(busy) {
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+  $("conversation").setAttribute("aria-busy", String(busy));
+}
+
+// --- models -------------------------------------------------------------------
+
+async function loadModels() {
+  const select = $("model");
+  try {
+    const response = await fetch("/v1/models", { headers: headers(false) });
+    if (!response.ok) throw await errorOf(response);
+    const { data } = await response.json();
+    const previous = select.value;
+    select.replaceChildren(...data.map((model) => el("option", { value: model.id }, model.id)));
+    if (data.some((model) => model.id === previous)) select.value = previous;
+    showError("");
+  } catch (error) {
+    select.replaceChildren(el("option", { value: "" }, "(no model list)"));
+    showError(`Could not list the models: ${error.message}`);
+  }
+}
+
+// --- the conversation ---------------------------------------------------------
+
+function messageItem(kind, title, text) {
+  return el("li", { class: `msg ${kind}` }, el("h3", { class: "role" }, title), el("div", { class: "text" }, text));
+}
+
+function lastIsToolResult() {
+  return state.history.at(-1)?.role === "tool";
+}
+
+function closeResultForms() {
+  for (const form of state.pendingResults) form.querySelector("fieldset").disabled = true;
+  state.pendingResults = [];
+}
+
+function resultForm(call) {
+  const id = `result-${call.id || Math.random().toString(36).slice(2)}`;
+  const input = el("textarea", { id, rows: 2, spellcheck: "false" });
+  const form = el(
+    "form",
+    { class: "tool-result" },
+    el(
+      "fieldset",
+      {},
+      el("label", { for: id }, `Result of ${call.name}`),
+      input,
+      el("button", { type: "submit" }, "Add result"),
+    ),
+  );
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    const message = { role: "tool", tool_call_id: call.id, content: input.value };
+    state.history.push(message);
+    $("conversation").append(messageItem("tool", `Result of ${call.name}`, input.value));
+    form.querySelector("fieldset").disabled = true;
+    announce(`Result of ${call.name} added. Send to continue.`);
+    $("message").focus();
+  });
+  state.pendingResults.push(form);
+  return form;
+}
+
+function withSystem(messages) {
+  const system = $("system-prompt").value;
+  return system.trim() ? [{ role: "system", content: system }, ...messages] : messages;
+}
+
+function markProblems(problems) {
+  for (const { field, message } of problems) {
+    const input = $(field);
+    input.setAttribute("aria-invalid", "true");
+    const note = $(`${field}-error`);
+    if (note) note.textContent = message;
+  }
+  showError(problems.map((p) => p.message).join("; "));
+  $(problems[0].field).focus();
+}
+
+async function stream(turn, body) {
+  const response = await fetch("/v1/chat/completions", {
+    method: "POST",
+    headers: headers(true),
+    body: JSON.stringify(body),
+    signal: state.controller.signal,
+  });
+  if (!response.ok) throw await errorOf(response);
+  for await (const chunk of sseJson(response)) {
+    // A failure after the stream started comes as one error event.
+    if (chunk.error) throw new ApiError(chunk.error, 0);
+    turn.apply(chunk, performance.now());
+  }
+}
+
+async function send() {
+  showError("");
+  const text = $("message").value;
+  const user = text.trim() ? { role: "user", content: text } : null;
+  if (!user && !lastIsToolResult()) {
+    showError("Type a message first.");
+    $("message").focus();
+    return;
+  }
+  const messages = withSystem([...state.history, ...(user ? [user] : [])]);
+  const { body, problems } = requestBody(document, $("model").value, messages);
+  if (problems.length) return markProblems(problems);
+
+  const userItem = user ? messageItem("user", "You", user.content) : null;
+  if (user) {
+    state.history.push(user);
+    $("conversation").append(userItem);
+    $("message").value = "";
+  }
+  closeResultForms();
+  const turn = new AssistantTurn(performance.now(), announce);
+  $("conversation").append(turn.node);
+  state.controller = new AbortController();
+  setBusy(true);
+  announce("Sending…");
+  try {
+    await stream(turn, body);
+    turn.end("done");
+    announce(turn.summary());
+  } catch (error) {
+    if (error.name === "AbortError") {
+      turn.end("stopped");
+      announce("Stopped.");
+    } else if (!turn.hasOutput && error.status) {
+      // Refused before anything streamed: undo the turn, give the text back.
+      turn.node.remove();
+      if (user) {
+        state.history.pop();
+        userItem.remove();
+        $("message").value = user.content;
+      }
+      showError(error.message);
+    } else {
+      turn.end(error.message);
+      showError(error.message);
+    }
+  } finally {
+    state.controller = null;
+    setBusy(false);
+  }
+  if (turn.hasOutput) {
+    state.history.push(turn.message());
+    for (const call of turn.calls) call.card.append(resultForm(call));
+  }
+}
+
+function clearConversation() {
+  state.controller?.abort();
+  state.history = [];
+  state.pendingResults = [];
+  $("conversation").replaceChildren();
+  showError("");
+  announce("New conversation.");
+}
+
+// --- wiring ---------------------------------------------------------------------
+
+function validateJsonField(id, parse) {
+  const input = $(id);
+  const { error } = parse(input.value);
+  input.setAttribute("aria-invalid", String(Boolean(error)));
+  $(`${id}-error`).textContent = error ?? "";
+}
+
+function start() {
+  $("legend").append(...legendItems());
+  new Inspector($("inspector"), $("conversation"));
+  $("api-key").addEventListener("input", (event) => {
+    state.apiKey = event.target.value.trim();
+  });
+  $("api-key").addEventListener("change", loadModels);
+  $("connection").addEventListener("submit", (event) => {
+    event.preventDefault();
+    loadModels();
+  });
+  $("composer").addEventListener("submit", (event) => {
+    event.preventDefault();
+    send();
+  });
+  $("message").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) {
+      event.preventDefault();
+      $("composer").requestSubmit();
+    }
+  });
+  $("stop").addEventListener("click", () => state.controller?.abort());
+  $("clear").addEventListener("click", clearConversation);
+  $("show-markup").addEventListener("change", (event) => {
+    $("conversation").classList.toggle("show-markup", event.target.checked);
+  });
+  $("tools").addEventListener("input", () => validateJsonField("tools", parseTools));
+  $("extra").addEventListener("input", () => validateJsonField("extra", parseExtra));
+  $("tools-example").addEventListener("click", () => {
+    $("tools").value = JSON.stringify(TOOLS_EXAMPLE, null, 2);
+    validateJsonField("tools", parseTools);
+  });
+  $("stop-strings").addEventListener("input", () => $("stop-strings").removeAttribute("aria-invalid"));
+  loadModels();
+}
+
+start();
