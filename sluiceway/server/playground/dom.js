@@ -1,4 +1,4 @@
-// Building elements without innerHTML: children are nodes or strings, and a
+// Building elements from nodes and text only: children are nodes or strings, and a
 // string always becomes a text node, whatever it contains.
 
 /** A new element with attributes (set with setAttribute; empty values skipped) and children. */
