@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         "host": "address to bind",
         "port": "port to bind",
         "worker_class": "Hypercorn worker class",
-        "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
+        "api_key": "require 'Authorization: Bearer KEY' on every route but /health and the "
+        "playground page",
         "max_body_bytes": "largest request body accepted (413 beyond)",
         "max_num_seqs": "most sequences decoded together in one batch",
         "max_queued_requests": "most requests waiting for a slot (429 beyond)",

@@ -14,8 +14,12 @@ const state = {
   apiKey: "",
   history: [],
   controller: null,
-  pendingResults: [],
+  resultForms: [],
+  // Bumped by "New conversation", so that a turn still streaming then is dropped.
+  conversation: 0,
 };
+
+let inspector = null;
 
 class ApiError extends Error {
   constructor(error, status) {
@@ -53,9 +57,12 @@ function showError(text) {
 }
 
 function setBusy(busy) {
+  const lost = document.activeElement === (busy ? $("send") : $("stop"));
   $("send").disabled = busy;
   $("stop").disabled = !busy;
   $("conversation").setAttribute("aria-busy", String(busy));
+  // A button that gets disabled drops the keyboard focus: keep it useful.
+  if (lost) (busy ? $("stop") : $("message")).focus();
 }
 
 // --- models -------------------------------------------------------------------
@@ -72,7 +79,8 @@ async function loadModels() {
     showError("");
   } catch (error) {
     select.replaceChildren(el("option", { value: "" }, "(no model list)"));
-    showError(`Could not list the models: ${error.message}`);
+    const hint = error.status === 401 ? " Type the server's API key above." : "";
+    showError(`Could not list the models: ${error.message}${hint}`);
   }
 }
 
@@ -86,9 +94,11 @@ function lastIsToolResult() {
   return state.history.at(-1)?.role === "tool";
 }
 
-function closeResultForms() {
-  for (const form of state.pendingResults) form.querySelector("fieldset").disabled = true;
-  state.pendingResults = [];
+/** The result forms of the latest turn's tool calls (one result per call). */
+function setResultForms(disabled) {
+  for (const form of state.resultForms) {
+    if (!form.dataset.added) form.querySelector("fieldset").disabled = disabled;
+  }
 }
 
 function resultForm(call) {
@@ -110,11 +120,11 @@ function resultForm(call) {
     const message = { role: "tool", tool_call_id: call.id, content: input.value };
     state.history.push(message);
     $("conversation").append(messageItem("tool", `Result of ${call.name}`, input.value));
+    form.dataset.added = "yes";
     form.querySelector("fieldset").disabled = true;
     announce(`Result of ${call.name} added. Send to continue.`);
     $("message").focus();
   });
-  state.pendingResults.push(form);
   return form;
 }
 
@@ -149,6 +159,18 @@ async function stream(turn, body) {
   }
 }
 
+/** Takes back a turn that produced nothing: its user message leaves the
+ * history and goes back into the box, so nothing half-sent lingers. */
+function undo(turn, user, userItem) {
+  turn.node.remove();
+  if (user) {
+    state.history.pop();
+    userItem.remove();
+    $("message").value = user.content;
+  }
+  setResultForms(false);
+}
+
 async function send() {
   showError("");
   const text = $("message").value;
@@ -162,53 +184,53 @@ async function send() {
   const { body, problems } = requestBody(document, $("model").value, messages);
   if (problems.length) return markProblems(problems);
 
+  const conversation = state.conversation;
   const userItem = user ? messageItem("user", "You", user.content) : null;
   if (user) {
     state.history.push(user);
     $("conversation").append(userItem);
     $("message").value = "";
   }
-  closeResultForms();
+  // Results added while this turn streams would land after it in the history.
+  setResultForms(true);
   const turn = new AssistantTurn(performance.now(), announce);
   $("conversation").append(turn.node);
   state.controller = new AbortController();
   setBusy(true);
   announce("Sending…");
+  let outcome = "done";
   try {
     await stream(turn, body);
-    turn.end("done");
-    announce(turn.summary());
   } catch (error) {
-    if (error.name === "AbortError") {
-      turn.end("stopped");
-      announce("Stopped.");
-    } else if (!turn.hasOutput && error.status) {
-      // Refused before anything streamed: undo the turn, give the text back.
-      turn.node.remove();
-      if (user) {
-        state.history.pop();
-        userItem.remove();
-        $("message").value = user.content;
-      }
-      showError(error.message);
-    } else {
-      turn.end(error.message);
-      showError(error.message);
-    }
+    outcome = error.name === "AbortError" ? "stopped" : error.message;
   } finally {
     state.controller = null;
     setBusy(false);
   }
-  if (turn.hasOutput) {
-    state.history.push(turn.message());
-    for (const call of turn.calls) call.card.append(resultForm(call));
+  if (conversation !== state.conversation) return; // cleared meanwhile
+  if (!turn.hasOutput) {
+    undo(turn, user, userItem);
+    showError(outcome === "done" ? "The model generated nothing." : outcome === "stopped" ? "" : outcome);
+    announce(outcome === "stopped" ? "Stopped before any output." : "Nothing was generated.");
+    return;
   }
+  turn.end(outcome);
+  if (outcome !== "done" && outcome !== "stopped") showError(outcome);
+  announce(outcome === "done" ? turn.summary() : outcome === "stopped" ? "Stopped." : "Failed.");
+  state.history.push(turn.message());
+  state.resultForms = turn.calls.map((call) => {
+    const form = resultForm(call);
+    call.card.append(form);
+    return form;
+  });
 }
 
 function clearConversation() {
   state.controller?.abort();
+  state.conversation += 1;
   state.history = [];
-  state.pendingResults = [];
+  state.resultForms = [];
+  inspector.hide();
   $("conversation").replaceChildren();
   showError("");
   announce("New conversation.");
@@ -225,7 +247,7 @@ function validateJsonField(id, parse) {
 
 function start() {
   $("legend").append(...legendItems());
-  new Inspector($("inspector"), $("conversation"));
+  inspector = new Inspector($("inspector"), $("conversation"));
   $("api-key").addEventListener("input", (event) => {
     state.apiKey = event.target.value.trim();
   });

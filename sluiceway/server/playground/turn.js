@@ -146,10 +146,10 @@ export class AssistantTurn {
     if (!calls.length) {
       // Markup of the calls (a closing tag, EOS) riding the final chunk.
       const last = this.#calls.at(-1);
-      appendItems(last ? last.args : this.content, items, "tool");
+      appendItems(last ? last.args : this.content, items, "tool call");
       return;
     }
-    splitItems(items, texts).forEach((part, i) => appendItems(calls[i].args, part, "tool"));
+    splitItems(items, texts).forEach((part, i) => appendItems(calls[i].args, part, "tool call"));
   }
 
   /** Ends the turn: "done", "stopped" or an error message. */

@@ -76,7 +76,9 @@ def test_every_channel_streams_into_its_place(
     assert {"<think>", "</think>", "<tool_call>", "</tool_call>", "<|im_end|>"} <= set(markup)
     page.uncheck("#show-markup")
 
+    page.locator(".tool-call .tok").nth(1).hover()  # the inspector, in the picture
     page.screenshot(path=str(artifacts / "desktop.png"), full_page=True)
+    page.mouse.move(0, 0)
     page.set_viewport_size({"width": 390, "height": 844})
     width = page.evaluate("document.documentElement.scrollWidth")
     assert width <= 390, f"the page is {width} px wide at phone width"
@@ -314,3 +316,45 @@ def test_labels_contrast_and_phone_width(page: Page, keyed_server: RunningServer
     assert box is not None
     assert box["width"] == pytest.approx(390, abs=1)
     assert box["y"] + box["height"] == pytest.approx(844, abs=1)
+
+
+#: Cutting one chunk's text among the entries that ride with it (align.js):
+#: (text, entry pieces as bytes) -> the items, as (kind, text) pairs.
+ALIGNMENT_CASES = [
+    # A character split over two tokens belongs to the one that completes it.
+    ("é", [b"\xc3", b"\xa9"], [("markup", ""), ("token", "é")]),
+    # Whitespace a parser dropped in front of a token's text.
+    ("Use", [b"\n\nUse"], [("token", "Use")]),
+    # The part of a token that is there; the rest was envelope.
+    ("}", [b"}}\n", b"</tool_call>"], [("token", "}"), ("markup", "")]),
+    # Markup riding in front of the token whose text starts the chunk.
+    ('{"city": ', [b', "arguments": ', b'{"city": '], [("markup", ""), ("token", '{"city": ')]),
+    # Text owned by a token of another channel stays unmarked.
+    ("Hi there", [b" there"], [("text", "Hi"), ("token", " there")]),
+    # A token with no text in the chunk at all (EOS on the final chunk).
+    ("", [b"<|im_end|>"], [("markup", "")]),
+]
+
+
+def test_alignment_cases(page: Page, keyed_server: RunningServer) -> None:
+    page.goto(keyed_server.base_url + "/")
+    got = page.evaluate(
+        """async (cases) => {
+             const { ChannelAligner, splitItems } = await import("/playground/align.js");
+             const entry = (bytes) => ({ token: "t", logprob: 0, bytes });
+             const aligned = cases.map(([text, pieces]) =>
+               new ChannelAligner().align(text, pieces.map(entry))
+                 .map((item) => [item.kind, item.kind === "markup" ? "" : item.text]));
+             // Two calls' arguments in one chunk: the envelope between them goes
+             // with the second call.
+             const texts = ['{"a": 1}', '{"b": 2}'];
+             const pieces = ['{"a": 1}', "</tool_call>", '{"b": 2}'].map(
+               (p) => entry([...new TextEncoder().encode(p)]));
+             const split = splitItems(new ChannelAligner().align(texts.join(""), pieces), texts)
+               .map((part) => part.map((item) => item.kind));
+             return { aligned, split };
+           }""",
+        [[text, [list(piece) for piece in pieces]] for text, pieces, _ in ALIGNMENT_CASES],
+    )
+    assert got["aligned"] == [[list(item) for item in items] for _, _, items in ALIGNMENT_CASES]
+    assert got["split"] == [["token"], ["markup", "token"]]
