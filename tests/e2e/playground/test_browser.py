@@ -327,8 +327,13 @@ ALIGNMENT_CASES = [
     ("Use", [b"\n\nUse"], [("token", "Use")]),
     # The part of a token that is there; the rest was envelope.
     ("}", [b"}}\n", b"</tool_call>"], [("token", "}"), ("markup", "")]),
-    # Markup riding in front of the token whose text starts the chunk.
-    ('{"city": ', [b', "arguments": ', b'{"city": '], [("markup", ""), ("token", '{"city": ')]),
+    # Markup riding in front of the token whose text starts the chunk, even
+    # markup that starts like that text.
+    (
+        '{"city": ',
+        [b'{"name": ', b'"get_weather"', b', "arguments": ', b'{"city": '],
+        [("markup", ""), ("markup", ""), ("markup", ""), ("token", '{"city": ')],
+    ),
     # Text owned by a token of another channel stays unmarked.
     ("Hi there", [b" there"], [("text", "Hi"), ("token", " there")]),
     # A token with no text in the chunk at all (EOS on the final chunk).
