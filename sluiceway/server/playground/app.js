@@ -133,6 +133,16 @@ function withSystem(messages) {
   return system.trim() ? [{ role: "system", content: system }, ...messages] : messages;
 }
 
+const CHECKED_FIELDS = ["model", "tools", "extra", "stop-strings"];
+
+function clearProblems() {
+  for (const id of CHECKED_FIELDS) {
+    $(id).removeAttribute("aria-invalid");
+    const note = $(`${id}-error`);
+    if (note) note.textContent = "";
+  }
+}
+
 function markProblems(problems) {
   for (const { field, message } of problems) {
     const input = $(field);
@@ -173,6 +183,7 @@ function undo(turn, user, userItem) {
 
 async function send() {
   showError("");
+  clearProblems();
   const text = $("message").value;
   const user = text.trim() ? { role: "user", content: text } : null;
   if (!user && !lastIsToolResult()) {
@@ -277,7 +288,6 @@ function start() {
     $("tools").value = JSON.stringify(TOOLS_EXAMPLE, null, 2);
     validateJsonField("tools", parseTools);
   });
-  $("stop-strings").addEventListener("input", () => $("stop-strings").removeAttribute("aria-invalid"));
   loadModels();
 }
 

@@ -363,3 +363,32 @@ def test_alignment_cases(page: Page, keyed_server: RunningServer) -> None:
     )
     assert got["aligned"] == [[list(item) for item in items] for _, _, items in ALIGNMENT_CASES]
     assert got["split"] == [["token"], ["markup", "token"]]
+
+
+def test_sse_decoder_any_split(page: Page, keyed_server: RunningServer) -> None:
+    """The page's SSE decoder gives the same events however the body is cut:
+    whole, at every point, and one character at a time (CRLF and CR line
+    ends, comments, multi-line data)."""
+    sample = (
+        ": keepalive\r\n\r\n"
+        'data: {"a": 1}\r\n\r\n'
+        "data: one\r\ndata: two\r\n\r\n"
+        "event: x\rdata: first\rdata: second\r\r"
+        'data:{"b": "é"}\n\n'
+        "data: [DONE]\n\n"
+    )
+    page.goto(keyed_server.base_url + "/")
+    got = page.evaluate(
+        """async (text) => {
+             const { SseDecoder } = await import("/playground/sse.js");
+             const run = (pieces) => { const d = new SseDecoder(); return pieces.flatMap((p) => d.feed(p)); };
+             const whole = run([text]);
+             const splits = [...text].map((_, i) => run([text.slice(0, i), text.slice(i)]));
+             return { whole, splits, chars: run([...text]) };
+           }""",
+        sample,
+    )
+    expected = ['{"a": 1}', "one\ntwo", "first\nsecond", '{"b": "é"}', "[DONE]"]
+    assert got["whole"] == expected
+    assert got["chars"] == expected
+    assert all(split == expected for split in got["splits"])
