@@ -76,7 +76,9 @@ def test_every_channel_streams_into_its_place(
     assert {"<think>", "</think>", "<tool_call>", "</tool_call>", "<|im_end|>"} <= set(markup)
     page.uncheck("#show-markup")
 
-    page.locator(".tool-call .tok").nth(1).hover()  # the inspector, in the picture
+    # The inspector in the picture, opening below the token (scrolled so it fits).
+    page.mouse.wheel(0, 2000)
+    page.locator(".tool-call .tok").nth(1).hover()
     page.screenshot(path=str(artifacts / "desktop.png"), full_page=True)
     page.mouse.move(0, 0)
     page.set_viewport_size({"width": 390, "height": 844})
