@@ -74,7 +74,7 @@ def public_paths(assets: Mapping[str, Asset]) -> frozenset[str]:
     """The paths that answer without an API key (none when the page is off)."""
     if not assets:
         return frozenset()
-    return frozenset({*PAGE_PATHS, *(ASSET_PREFIX + name for name in assets)})
+    return frozenset({*PAGE_PATHS, *(ASSET_PREFIX + name for name in assets if name != PAGE)})
 
 
 def _not_modified(scope: Scope, etag: bytes) -> bool:

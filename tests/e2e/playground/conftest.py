@@ -50,7 +50,10 @@ def keyed_server(
     running.stop()
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: playwright's sync API keeps an asyncio loop
+# marked running in this thread while it is open, and the async tests of
+# other modules could not start theirs.
+@pytest.fixture(scope="module")
 def playwright() -> Iterator[Playwright]:
     if not CHROMIUM.exists():
         reason = f"{CHROMIUM} is missing (make test installs Debian's chromium when run as root)"
@@ -61,7 +64,7 @@ def playwright() -> Iterator[Playwright]:
         yield driver
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(playwright: Playwright) -> Iterator[Browser]:
     launched = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
     yield launched
