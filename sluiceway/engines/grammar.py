@@ -114,7 +114,8 @@ class GrammarEngine:
         self.vocab_size = vocab_size
         self.mask_words = (vocab_size + 31) // 32
         self.eos_ids = tuple(sorted(eos_ids))
-        self._tokenizer = llguidance.hf.from_tokenizer(
+        #: llguidance's view of the tokenizer: every id's bytes, in a trie.
+        self.tokenizer = llguidance.hf.from_tokenizer(
             hf_tokenizer, n_vocab=vocab_size, eos_token=list(self.eos_ids)
         )
         self._executor = llguidance.LLExecutor()
@@ -140,7 +141,7 @@ class GrammarEngine:
     def _build(self, constraint: Constraint, entry: _Entry) -> None:
         started = time.perf_counter()
         try:
-            template = llguidance.LLMatcher(self._tokenizer, grammar_text(constraint), log_level=0)
+            template = llguidance.LLMatcher(self.tokenizer, grammar_text(constraint), log_level=0)
         except (ValueError, TypeError) as error:  # text that is not even the right syntax
             entry.settle(None, str(error))
             return
