@@ -28,7 +28,7 @@ import llguidance
 import numpy as np
 import numpy.typing as npt
 
-from sluiceway.engines.grammar import Bitmask, allowed_ids
+from sluiceway.engines.grammar import Bitmask, allow, mask_logits
 from sluiceway.protocol.constraints import ReasoningGate
 
 FloatArray = npt.NDArray[np.float32]
@@ -89,13 +89,13 @@ class RowGuide:
         if self.state is GuideState.REASONING:
             x[list(self.eos_ids)] = -np.inf
             return
-        if self.mask is None:
+        mask = self.mask
+        if mask is None:
             return  # COMPLETE or FAILED: the scheduler ends the row
-        allowed = allowed_ids(self.mask, x.shape[0])
         if self.state is GuideState.OPENING and self.gate is not None:
-            allowed = allowed.copy()
-            allowed[self.gate.start_id] = True
-        np.copyto(x, -np.inf, where=~allowed)
+            assert self.gate.start_id is not None
+            mask = allow(mask, self.gate.start_id)
+        mask_logits(x, mask)
 
     def advance(self, token: int) -> None:
         """Take the row's sampled token."""

