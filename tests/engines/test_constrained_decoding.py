@@ -208,6 +208,17 @@ def test_a_complete_grammar_ends_the_row_even_with_ignore_eos(rig: Rig) -> None:
     assert not set(outcome.tokens) & rig.tokenizer.eos_ids
 
 
+def test_a_greedy_constrained_row_alone_is_masked_from_its_first_token(rig: Rig) -> None:
+    """Alone, a greedy row would have its tokens picked by the engine (the
+    greedy fast path, decoding ahead): a constrained one never does."""
+    (free,) = rig.run([generation(rig, "free", None, temperature=0.0, max_tokens=4)])["free"]
+    assert not re.fullmatch("[0-9]+", rig.text(free))  # else this test shows nothing
+    regex = Constraint(kind=ConstraintKind.REGEX, text="[0-9]{4}")
+    (outcome,) = rig.run([generation(rig, "digits", regex, temperature=0.0)])["digits"]
+    assert re.fullmatch("[0-9]{4}", rig.text(outcome))
+    assert outcome.finish is FinishCause.GRAMMAR
+
+
 def test_max_tokens_cuts_a_constrained_row(rig: Rig) -> None:
     constraint = Constraint(kind=ConstraintKind.REGEX, text="[a-z]{20}")
     (outcome,) = rig.run([generation(rig, "x", constraint, temperature=0.0, max_tokens=3)])["x"]

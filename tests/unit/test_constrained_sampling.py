@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 import jsonschema
@@ -235,12 +236,14 @@ def test_a_choice_completes_without_an_eos_token(kit: Kit) -> None:
 
 
 def test_min_tokens_give_way_to_a_grammar_that_allows_only_eos(kit: Kit) -> None:
+    eos = max(kit.grammars.eos_ids)  # not id 0, which an all -inf row's argmax would give
     x = np.full(VOCAB, -np.inf, dtype=np.float32)
-    x[kit.eos] = 1.0
-    _suppress(x, (kit.eos, 5), guided=True)
-    assert x.argmax() == kit.eos
+    x[eos] = 1.0
+    _suppress(x, (eos, 5), guided=True)
+    assert x[eos] == 1.0
+    assert x.argmax() == eos
     x[7] = 0.5  # something else allowed: the suppression holds
-    _suppress(x, (kit.eos,), guided=True)
+    _suppress(x, (eos,), guided=True)
     assert x.argmax() == 7
     free = np.zeros(VOCAB, dtype=np.float32)
     _suppress(free, (kit.eos,), guided=False)
@@ -295,7 +298,18 @@ def test_the_first_token_may_open_reasoning(kit: Kit) -> None:
 
 
 @pytest.mark.anyio
-async def test_the_actor_computes_masks_ahead_and_matches_direct_sampling(kit: Kit) -> None:
+async def test_the_actor_computes_masks_ahead_and_matches_direct_sampling(
+    kit: Kit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the first step, every step finds its masks computed already:
+    the actor filled them while the step was away (at the engine)."""
+    due_at_sampling: list[bool] = []
+    original = Sampler.sample
+
+    def recording(self: Sampler, *args: Any, **kwargs: Any) -> Any:
+        due_at_sampling.append(self.masks_due())
+        return original(self, *args, **kwargs)
+
     rng = np.random.default_rng(8)
     steps = [rng.normal(size=(2, VOCAB)).astype(np.float32) for _ in range(10)]
 
@@ -310,6 +324,7 @@ async def test_the_actor_computes_masks_ahead_and_matches_direct_sampling(kit: K
     to_send, to_receive = anyio.create_memory_object_stream[LogitsStep](1)
     out_send, out_receive = anyio.create_memory_object_stream[SampledStep](1)
     got = []
+    monkeypatch.setattr(Sampler, "sample", recording)
     async with anyio.create_task_group() as group:
         group.start_soon(
             sampler_actor.run, to_receive, out_send, SamplerConfig(grammars=kit.grammars)
@@ -319,3 +334,4 @@ async def test_the_actor_computes_masks_ahead_and_matches_direct_sampling(kit: K
                 await to_send.send(LogitsStep(step=i, rows=rows(i), logits=logits))
                 got.append(list((await out_receive.receive()).token_ids))
     assert got == expected
+    assert due_at_sampling == [False] * len(steps)

@@ -201,7 +201,7 @@ async def test_the_compiler_turns_engine_errors_into_client_errors(
 ) -> None:
     compiler = ConstraintCompiler(grammars)
     await compiler.check(json_schema(SCHEMA), param="response_format")
-    with pytest.raises(InvalidConstraint, match="(?s)invalid regex: .*unclosed group") as caught:
+    with pytest.raises(InvalidConstraint, match=r"(?s)invalid regex: .*unclosed group") as caught:
         await compiler.check(
             Constraint(kind=ConstraintKind.REGEX, text="(("), param="structured_outputs.regex"
         )
@@ -228,7 +228,7 @@ async def test_a_compile_that_hangs_gets_its_client_error_at_the_time_limit(
     compiler = ConstraintCompiler(engine)
     started = anyio.current_time()
     try:
-        with pytest.raises(InvalidConstraint, match="did not compile within 0.2 s"):
+        with pytest.raises(InvalidConstraint, match=r"did not compile within 0\.2 s"):
             await compiler.check(json_schema(SCHEMA), param="response_format")
         assert anyio.current_time() - started < 2
     finally:
