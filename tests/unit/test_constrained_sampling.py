@@ -200,8 +200,11 @@ def test_logprobs_are_the_models_by_default_and_the_masked_ones_when_processed(k
         rows=(row(first=True, temperature=0.0, logprobs=LogprobParams(top=3)),),
         logits=logits,
     )
+    before = logits.copy()
     raw = sample_step(Sampler(kit.grammars), step, SamplerConfig(grammars=kit.grammars))
-    assert raw.logits is logits  # untouched: the reducer reads the model's distribution
+    # The model's logits, unmasked, go to the reducer.
+    assert raw.logits is logits
+    np.testing.assert_array_equal(logits, before)
     assert raw.processed is None
     processed = sample_step(
         Sampler(kit.grammars), step, SamplerConfig(grammars=kit.grammars, processed_logprobs=True)
