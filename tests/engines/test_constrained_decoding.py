@@ -11,15 +11,30 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sluiceway.actors.scheduler import SchedulerHandle
 from sluiceway.protocol.constraints import Constraint, ConstraintKind
-from sluiceway.protocol.messages import FinishCause, GenerationRequest, Limits
+from sluiceway.protocol.messages import (
+    FinishCause,
+    GenerationRequest,
+    Limits,
+    RequestOutput,
+    StepOutput,
+)
 from tests.engines.conftest import ENGINES
-from tests.engines.constrained_rig import Outcome, Rig, generation, open_rig
+from tests.engines.constrained_rig import (
+    MAX_TOKENS,
+    Outcome,
+    Rig,
+    generation,
+    open_rig,
+    with_pipeline,
+)
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -252,3 +267,30 @@ def test_the_engine_in_a_child_process_decodes_constrained_rows(child_rig: Rig) 
     for outcome in [*results["greedy"], *results["sampled"]]:
         validate(child_rig, outcome, schema)
     assert re.fullmatch("[0-9]{2}:[0-9]{2}", child_rig.text(results["regex"][0]))
+
+
+@pytest.mark.anyio
+async def test_a_choice_ended_early_leaves_the_others_constrained(rig: Rig) -> None:
+    """The output actor ends a choice (a stop string) mid-document: the
+    request's other choice walks on in its own grammar to a valid end."""
+    constraint = Constraint(kind=ConstraintKind.JSON_SCHEMA, text=json.dumps(WEATHER))
+    request = generation(rig, "two", constraint, n=2, temperature=1.0, seed=21)
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    finishes: dict[int, FinishCause | None] = {}
+
+    async def body(handle: SchedulerHandle) -> None:
+        send, receive = anyio.create_memory_object_stream[RequestOutput](MAX_TOKENS + 2)
+        handle.submit(request, send)
+        async with receive:
+            async for message in receive:
+                assert isinstance(message, StepOutput)
+                for sample in message.samples:
+                    tokens[sample.choice].append(sample.token_id)
+                    finishes[sample.choice] = sample.finish
+                if len(tokens[0]) == 2:
+                    handle.finish_choice("two", 0)
+
+    await with_pipeline(rig.model, body)
+    assert len(tokens[0]) <= 3  # the step in flight may still bring one
+    assert finishes[1] in (FinishCause.EOS, FinishCause.GRAMMAR)
+    validate(rig, Outcome(tokens[1], finishes[1]), WEATHER)
