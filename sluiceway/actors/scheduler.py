@@ -370,20 +370,18 @@ class Scheduler:
         )
         await to_sampler.send(step)
         sampled = await from_sampler.receive()
-        choices = rows.choices
         if sampled.constraints is not None:
-            choices = self._fail_constrained(choices, sampled.constraints)
+            self._fail_constrained(rows.choices, sampled.constraints)
         self._deliver_samples(
-            self._decide(choices, sampled.token_ids, sampled.logprobs, sampled.constraints)
+            self._decide(rows.choices, sampled.token_ids, sampled.logprobs, sampled.constraints)
         )
 
-    def _fail_constrained(self, choices: list[_Choice], report: ConstraintReport) -> list[_Choice]:
-        """End the requests whose grammar failed; their rows' tokens are dropped."""
+    def _fail_constrained(self, choices: list[_Choice], report: ConstraintReport) -> None:
+        """End the requests whose grammar failed; ``_decide`` drops their rows' tokens."""
         for index, message in report.failed:
             request = choices[index].request
             if request.spec.request_id in self._requests:
                 self._fail(request, message)
-        return choices
 
     def _row(self, choice: _Choice) -> Row:
         spec = choice.request.spec

@@ -146,7 +146,12 @@ def test_every_output_validates_against_its_schema(
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     pattern=st.sampled_from(
-        [r"[0-9]{1,4}", r"(yes|no|maybe)!?", r"[a-f]{2}-[0-9]{3}", r"\w{1,5}@\w{1,5}\.(com|org)"]
+        [
+            r"[0-9]{1,4}",
+            r"(yes|no|maybe)!?",
+            r"[a-f]{2}-[0-9]{3}",
+            r"[a-z0-9_]{1,5}@[a-z]{1,5}\.(com|org)",
+        ]
     ),
     options=st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=5, unique=True),
     seed=st.integers(0, 2**16),
@@ -154,6 +159,8 @@ def test_every_output_validates_against_its_schema(
 def test_regex_and_choice_outputs_match(
     rig: Rig, pattern: str, options: list[str], seed: int
 ) -> None:
+    """The regexes keep to syntax Python's ``re`` reads as llguidance (Rust's
+    regex crate) does: their ``\\w`` differ, Rust's taking combining marks."""
     regex = Constraint(kind=ConstraintKind.REGEX, text=pattern)
     choice = Constraint.choice(options)
     results = rig.run(
