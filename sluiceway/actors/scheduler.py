@@ -48,6 +48,7 @@ from sluiceway.engines.base import Engine
 from sluiceway.protocol.errors import Overloaded
 from sluiceway.protocol.messages import (
     Cancel,
+    ConstraintReport,
     FinishCause,
     FinishChoice,
     GenerationRequest,
@@ -369,7 +370,18 @@ class Scheduler:
         )
         await to_sampler.send(step)
         sampled = await from_sampler.receive()
-        self._deliver_samples(self._decide(rows.choices, sampled.token_ids, sampled.logprobs))
+        if sampled.constraints is not None:
+            self._fail_constrained(rows.choices, sampled.constraints)
+        self._deliver_samples(
+            self._decide(rows.choices, sampled.token_ids, sampled.logprobs, sampled.constraints)
+        )
+
+    def _fail_constrained(self, choices: list[_Choice], report: ConstraintReport) -> None:
+        """End the requests whose grammar failed; ``_decide`` drops their rows' tokens."""
+        for index, message in report.failed:
+            request = choices[index].request
+            if request.spec.request_id in self._requests:
+                self._fail(request, message)
 
     def _row(self, choice: _Choice) -> Row:
         spec = choice.request.spec
@@ -389,6 +401,7 @@ class Scheduler:
                 prompt_ids=spec.prompt_ids,
                 first=first,
                 suppress=suppress,
+                constraint=spec.constraint,
             )
         return row
 
@@ -397,15 +410,19 @@ class Scheduler:
         rows: list[_Choice],
         token_ids: Sequence[int],
         logprobs: Sequence[TokenLogprob | None] | None,
+        constraints: ConstraintReport | None = None,
     ) -> dict[str, list[TokenSample]]:
         """Take one step's tokens in: advance each row, end the rows that finished."""
         per_request: dict[str, list[TokenSample]] = {}
         scores = logprobs or (None,) * len(rows)
-        for choice, token, logprob in zip(rows, token_ids, scores, strict=True):
+        complete = constraints.complete if constraints is not None else frozenset()
+        for index, (choice, token, logprob) in enumerate(zip(rows, token_ids, scores, strict=True)):
+            if choice.request.spec.request_id not in self._requests:
+                continue  # failed in this step
             token = int(token)
             choice.generated += 1
             choice.last_token = token
-            finish = self._finish_cause(choice, token)
+            finish = self._finish_cause(choice, token, grammar_complete=index in complete)
             sample = TokenSample(
                 choice=choice.index, token_id=token, logprob=logprob, finish=finish
             )
@@ -423,14 +440,19 @@ class Scheduler:
             if not request.choices:
                 self._close(request)
 
-    def _finish_cause(self, choice: _Choice, token: int) -> FinishCause | None:
+    def _finish_cause(
+        self, choice: _Choice, token: int, *, grammar_complete: bool = False
+    ) -> FinishCause | None:
         # Before min_tokens the sampler cannot pick EOS or a stop token (they
-        # are suppressed in its row), so these checks need no min_tokens test.
+        # are suppressed in its row), so these checks need no min_tokens test;
+        # a grammar that allows only EOS overrides min_tokens.
         limits = choice.request.spec.limits
         if token in self._config.eos_ids and not limits.ignore_eos:
             return FinishCause.EOS
         if token in limits.stop_token_ids:
             return FinishCause.STOP_TOKEN
+        if grammar_complete:
+            return FinishCause.GRAMMAR
         if choice.generated >= limits.max_tokens:
             return FinishCause.MAX_TOKENS
         return None
@@ -519,4 +541,4 @@ class _Batch:
 def _starts_plain(spec: GenerationRequest) -> bool:
     """Whether a request's first token is a plain argmax (``Row.plain``; with
     ``min_tokens`` its first row suppresses EOS)."""
-    return is_argmax(spec.sampling, spec.logprobs) and spec.limits.min_tokens == 0
+    return is_argmax(spec.sampling, spec.logprobs, spec.constraint) and spec.limits.min_tokens == 0

@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
         "host": "address to bind",
         "port": "port to bind",
         "worker_class": "Hypercorn worker class",
-        "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
+        "api_key": "require 'Authorization: Bearer KEY' on every route but /health and the "
+        "playground page",
         "max_body_bytes": "largest request body accepted (413 beyond)",
         "max_num_seqs": "most sequences decoded together in one batch",
         "max_queued_requests": "most requests waiting for a slot (429 beyond)",
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "starts from, e.g. '{\"enable_thinking\": false}'; a request's chat_template_kwargs "
         "override them key by key",
         "cache_dir": "where the default model is built (default: $XDG_CACHE_HOME/sluiceway)",
+        "playground": "serve the playground page at / and /playground (no API key needed)",
         "log_level": "logging level",
     }
     for spec in dataclasses.fields(ServerConfig):

@@ -66,6 +66,7 @@ class ServerConfig:
     #: ``chat_template_kwargs`` override them key by key.
     default_chat_template_kwargs: str | None = None
     cache_dir: str | None = None
+    playground: bool = True
     log_level: str = "info"
 
     def __post_init__(self) -> None:

@@ -26,6 +26,7 @@ from sluiceway.actors.sampler import SamplerConfig
 from sluiceway.actors.scheduler import Scheduler, SchedulerConfig, SchedulerHandle, open_inbox
 from sluiceway.engines.base import Engine
 from sluiceway.engines.default_model import default_model_dir
+from sluiceway.engines.grammar import GrammarEngine
 from sluiceway.engines.loader import ModelSource, freeze_heap, resolve_model
 from sluiceway.engines.select import (
     choose_engine,
@@ -48,6 +49,8 @@ class LoadedModel:
     created: int
     #: The thread the engine was loaded on; all its work runs there.
     thread: EngineThread
+    #: Constrained decoding over this model's tokenizer (None: not available).
+    grammars: GrammarEngine | None = None
 
 
 #: The GIL switch interval while serving. The engine thread's Python glue
@@ -78,6 +81,7 @@ def _load(config: ServerConfig, thread: EngineThread) -> LoadedModel:
     started = time.perf_counter()
     engine = _start_engine(config, source)
     tokenizer = ModelTokenizer(source.path, engine.info.vocab_size)
+    grammars = _grammar_engine(tokenizer, engine.info.vocab_size)
     logger.info(
         "loaded %s on %s/%s (%s) in %.1f s",
         source.path,
@@ -86,7 +90,18 @@ def _load(config: ServerConfig, thread: EngineThread) -> LoadedModel:
         engine.info.dtype,
         time.perf_counter() - started,
     )
-    return LoadedModel(source, tokenizer, engine, int(time.time()), thread)
+    return LoadedModel(source, tokenizer, engine, int(time.time()), thread, grammars)
+
+
+def _grammar_engine(tokenizer: ModelTokenizer, vocab_size: int) -> GrammarEngine | None:
+    started = time.perf_counter()
+    try:
+        grammars = GrammarEngine(tokenizer.hf, vocab_size, tokenizer.eos_ids)
+    except Exception:  # a tokenizer llguidance cannot read: serve, without constraints
+        logger.exception("the grammar engine cannot use this tokenizer; no structured output")
+        return None
+    logger.info("grammar engine ready in %.2f s", time.perf_counter() - started)
+    return grammars
 
 
 def _start_engine(config: ServerConfig, source: ModelSource) -> Engine:
@@ -143,6 +158,7 @@ async def run_pipeline(
                 SamplerConfig(
                     forward_logits=options.with_reducer,
                     processed_logprobs=options.processed_logprobs,
+                    grammars=model.grammars,
                 ),
             )
             group.start_soon(scheduler.run, inbox, to_sampler_send, back_to_scheduler)
