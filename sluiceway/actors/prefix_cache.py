@@ -170,6 +170,10 @@ class PrefixIndex:
         self.stats.hit_tokens += length
         return hold
 
+    def peek(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the tree holds (no pin, no use, no counting)."""
+        return self._walk(tuple(tokens))[1]
+
     def release(self, hold: Hold) -> None:
         if hold.generation == self._generation:
             self._pin(hold, -1)
