@@ -259,7 +259,16 @@ def execute(engine: Engine, plan: StepPlan, *, decoded: DecodeResult | None = No
     cache_error = _edit_cache(engine, plan.cache_ops)
     for slot in plan.frees:
         engine.free(slot)
-    outcome = StepOutcome(prefills=[_prefill(engine, work) for work in plan.prefills])
+    outcome = StepOutcome(
+        prefills=[
+            # After a failed edit, an entry may hold other positions than
+            # the plan assumed: no restore in this step.
+            PrefillOutcome(error=cache_error)
+            if cache_error is not None and work.restore_length
+            else _prefill(engine, work)
+            for work in plan.prefills
+        ]
+    )
     outcome.cache_error = cache_error
     if decoded is not None:
         outcome.decode = decoded
@@ -280,13 +289,17 @@ def execute(engine: Engine, plan: StepPlan, *, decoded: DecodeResult | None = No
 
 
 def _edit_cache(engine: Engine, ops: tuple[CacheOp, ...]) -> str | None:
+    """Apply every edit, even after one failed (the scheduler then forgets
+    the whole cache and drops every entry it knows of: the drops queued
+    before that must have run too). Returns the first failure."""
+    failure = None
     for op in ops:
         try:
             engine.cache_op(op)
-        except Exception as error:  # the scheduler forgets the whole cache
+        except Exception as error:
             logger.exception("prefix cache edit %s failed", op)
-            return f"prefix cache edit failed: {error}"
-    return None
+            failure = failure or f"prefix cache edit failed: {error}"
+    return failure
 
 
 def _prefill(engine: Engine, work: PrefillWork) -> PrefillOutcome:

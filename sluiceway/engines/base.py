@@ -138,7 +138,8 @@ class Engine(Protocol):
         ...
 
     def cache_op(self, op: CacheOp) -> None:
-        """Apply one edit to the prefix-cache entries."""
+        """Apply one edit to the prefix-cache entries. A :class:`DropKV`
+        never fails (the index has forgotten the entry already)."""
         ...
 
     def close(self) -> None: ...
