@@ -122,6 +122,9 @@ def prefix_cache_bytes(config: ServerConfig, engine: Engine) -> int:
     budget = (
         default_budget(info) if config.prefix_cache_bytes is None else config.prefix_cache_bytes
     )
+    if budget < info.kv_bytes_per_token:
+        logger.info("prefix cache: off (%d bytes hold no token)", budget)
+        return 0
     logger.info(
         "prefix cache: %.1f MiB, %d tokens of %d bytes",
         budget / 2**20,

@@ -16,8 +16,8 @@ import pytest
 
 from tests.e2e.harness import RunningServer, start_server
 
-#: The default model's KV per token (8 layers x (keys + values) x 2 heads x
-#: 32 dims x 2 bytes): the tiny budget below holds about 300 tokens.
+#: The default model's KV per token is 2048 bytes (4 layers x (keys + values)
+#: x 2 heads x 32 dims x 4 bytes): the tiny budget holds about 300 tokens.
 TINY_BUDGET = str(300 * 2048)
 
 Variant = Callable[..., RunningServer]
