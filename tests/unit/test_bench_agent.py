@@ -41,7 +41,7 @@ def test_every_turn_resends_the_shared_system_prompt_and_the_history(
             assert messages[0] == {"role": "system", "content": workload.system}
             assert [m["role"] for m in messages[1:]] == ["user", "assistant"] * turn + ["user"]
             if turn:  # the previous turn's prompt is a prefix of this one's
-                assert messages[:-2] == workload.messages(conversation, turn - 1)[:-1]
+                assert messages[:-2] == workload.messages(conversation, turn - 1)
     firsts = {workload.messages(c, 0)[1]["content"] for c in range(3)}
     assert len(firsts) == 3  # conversations differ after the system prompt
 
