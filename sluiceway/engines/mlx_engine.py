@@ -208,11 +208,11 @@ class MlxEngine:
         else:
             raise ValueError(f"slot {slot} is not in use")
         if row is None:  # plain KVCache per layer
-            held, begin = caches[0].offset, 0
+            held, begin = caches[0].size(), 0
             rows = slice(0, 1)
         else:  # BatchKVCache: the row's tokens start after its left padding
             begin = int(caches[0].left_padding[row].item())
-            held = caches[0]._idx - begin
+            held = caches[0].size() - begin
             rows = slice(row, row + 1)
         if not 0 <= start < end <= held:
             raise ValueError(f"slot {slot} holds no positions {start}..{end}")
