@@ -10,7 +10,7 @@ CPU torch tensor); on a CUDA device this is one device-to-host copy per step.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -31,8 +31,9 @@ class EngineInfo:
     #: Bytes of keys and values one cached token takes (every layer); 0 when
     #: the engine cannot keep prefixes (the prefix cache is then off).
     kv_bytes_per_token: int = 0
-    #: Memory free on the engine's device once the model was loaded (0: unknown).
-    free_memory_bytes: int = 0
+    #: Memory free on the engine's device once the model was loaded (0:
+    #: unknown). A measurement, not part of what the engine is.
+    free_memory_bytes: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
