@@ -64,7 +64,7 @@ def default_budget(info: EngineInfo) -> int:
 class PrefixCacheStats:
     """Counters for the metrics endpoint (issue F) to export."""
 
-    #: Requests looked up, and those that reused at least one token.
+    #: Requests looked up (that could reuse a token), and those that reused at least one.
     lookups: int = 0
     hits: int = 0
     #: Prompt tokens looked up, and those reused instead of prefilled.
@@ -164,10 +164,11 @@ class PrefixIndex:
         hold = Hold(node, length, tuple(entries), self._generation)
         self._pin(hold, 1)
         self._touch(node)
-        self.stats.lookups += 1
-        self.stats.hits += length > 0
-        self.stats.looked_up_tokens += len(tokens)
-        self.stats.hit_tokens += length
+        if limit > 0:  # a request that may reuse nothing is no miss
+            self.stats.lookups += 1
+            self.stats.hits += length > 0
+            self.stats.looked_up_tokens += len(tokens)
+            self.stats.hit_tokens += length
         return hold
 
     def peek(self, tokens: Sequence[int]) -> int:
