@@ -244,11 +244,19 @@ class PromptScores:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PromptCached:
+    """The first ``tokens`` prompt tokens came from the prefix cache (sent
+    at admission, only when some did)."""
+
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestFailed:
     message: str
 
 
-RequestOutput = StepOutput | PromptScores | RequestFailed
+RequestOutput = StepOutput | PromptScores | PromptCached | RequestFailed
 
 
 # --- output actor -> emitter -------------------------------------------------
@@ -320,6 +328,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     reasoning_tokens: int = 0
+    #: Prompt tokens whose KV came from the prefix cache (part of ``prompt_tokens``).
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -28,7 +28,13 @@ from sluiceway.server.http import (
 )
 from sluiceway.server.parsing import choose_parsers
 from sluiceway.server.routing import Router, merge_routes
-from sluiceway.server.runtime import LoadedModel, PipelineOptions, load_model, run_pipeline
+from sluiceway.server.runtime import (
+    LoadedModel,
+    PipelineOptions,
+    load_model,
+    prefix_cache_bytes,
+    run_pipeline,
+)
 from sluiceway.server.state import ServerState
 from sluiceway.surfaces.base import Serving, Surface, SurfaceHandler
 from sluiceway.surfaces.openai import OpenAIOptions, OpenAISurface
@@ -157,6 +163,7 @@ class SluicewayApp:
             max_num_seqs=self.config.max_num_seqs,
             max_queued_requests=self.config.max_queued_requests,
             prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+            prefix_cache_bytes=prefix_cache_bytes(self.config, model.engine),
         )
 
     def _ready(self, model: LoadedModel, handle: SchedulerHandle) -> None:

@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
         "max_num_seqs": "most sequences decoded together in one batch",
         "max_queued_requests": "most requests waiting for a slot (429 beyond)",
         "prefill_chunk_tokens": "prompt tokens prefilled per step, so running streams keep flowing",
+        "prefix_cache": "reuse the KV of prompt prefixes earlier requests computed "
+        "(--no-prefix-cache: prefill every prompt whole)",
+        "prefix_cache_bytes": "most bytes the prefix cache holds, least recently used "
+        "evicted first (default: min(free memory after loading / 4, 2^20 tokens of KV))",
         "keepalive_seconds": "SSE ': keepalive' comment interval while a streamed request waits",
         "max_top_logprobs": "largest top_logprobs / logprobs / prompt_logprobs accepted",
         "logprobs_mode": "raw: the model's distribution; processed: the one sampled from",
@@ -69,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
             options["choices"] = CHOICES[spec.name]
         if isinstance(default, bool) or str(spec.type).startswith("bool"):
             options["action"] = argparse.BooleanOptionalAction
-        elif isinstance(default, int):
+        elif isinstance(default, int) or str(spec.type).startswith("int"):
             options["type"] = int
         elif isinstance(default, float):
             options["type"] = float

@@ -22,6 +22,7 @@ from anyio.abc import TaskStatus
 from sluiceway.actors import reducer, sampler
 from sluiceway.actors.engine_process import EngineSpec, ProcessEngine
 from sluiceway.actors.engine_work import EngineThread
+from sluiceway.actors.prefix_cache import default_budget
 from sluiceway.actors.sampler import SamplerConfig
 from sluiceway.actors.scheduler import Scheduler, SchedulerConfig, SchedulerHandle, open_inbox
 from sluiceway.engines.base import Engine
@@ -122,6 +123,30 @@ def _start_engine(config: ServerConfig, source: ModelSource) -> Engine:
         environment=process_environment(name),
     )
     return ProcessEngine(spec)
+
+
+def prefix_cache_bytes(config: ServerConfig, engine: Engine) -> int:
+    """The prefix cache's budget (0: off), logged once."""
+    info = engine.info
+    if not config.prefix_cache:
+        logger.info("prefix cache: off (--no-prefix-cache)")
+        return 0
+    if info.kv_bytes_per_token <= 0:
+        logger.info("prefix cache: off (the %s engine cannot keep this model's KV)", info.name)
+        return 0
+    budget = (
+        default_budget(info) if config.prefix_cache_bytes is None else config.prefix_cache_bytes
+    )
+    if budget < info.kv_bytes_per_token:
+        logger.info("prefix cache: off (%d bytes hold no token)", budget)
+        return 0
+    logger.info(
+        "prefix cache: %.1f MiB, %d tokens of %d bytes",
+        budget / 2**20,
+        budget // info.kv_bytes_per_token,
+        info.kv_bytes_per_token,
+    )
+    return budget
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
