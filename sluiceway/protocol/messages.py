@@ -189,6 +189,8 @@ class TokenLogprob:
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
     requested: tuple[tuple[int, float], ...] = ()
+    #: The token's 1-based rank in its distribution (prompt logprobs only).
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -279,6 +281,8 @@ class LogprobEntry:
     bytes: tuple[int, ...]
     top_logprobs: tuple[TopLogprob, ...] = ()
     requested: tuple[tuple[int, float], ...] = ()
+    #: 1-based rank in the token's distribution, where known (prompt logprobs).
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -314,6 +318,9 @@ class ChoiceDelta:
     finish: FinishCause | None = None
     called_tools: bool = False
     matched_stop: str | int | None = None
+    #: Generated token ids that ride with this delta (``return_token_ids``,
+    #: the tokens surface): over a choice's deltas, every id once, in order.
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -38,6 +38,7 @@ from sluiceway.server.runtime import (
 from sluiceway.server.state import ServerState
 from sluiceway.surfaces.base import Serving, Surface, SurfaceHandler
 from sluiceway.surfaces.openai import OpenAIOptions, OpenAISurface
+from sluiceway.surfaces.tokens import TokensSurface
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ def surfaces(config: ServerConfig) -> tuple[Surface, ...]:
                 return_tokens_as_token_ids=config.return_tokens_as_token_ids,
             )
         ),
+        TokensSurface(),
     )
 
 

@@ -176,5 +176,15 @@ async def send_whole(call: Call, jobs: Sequence[Job], accumulator: Accumulator) 
     await call.send_json(accumulator.to_json())
 
 
+def bearer_token(headers: Headers) -> str | None:
+    """The key an ``Authorization: Bearer`` header presents (None: none)."""
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer":
+                return token.strip()
+    return None
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

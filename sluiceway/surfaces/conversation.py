@@ -95,6 +95,10 @@ class Conversation:
     parallel_tool_calls: bool = True
     #: Extra variables for the chat template (``enable_thinking``, say).
     template_kwargs: Mapping[str, Any] | None = None
+    #: Render the generation prompt (the assistant turn's opening) after the messages.
+    add_generation_prompt: bool = True
+    #: Leave the final message open for the model to continue (no generation prompt).
+    continue_final_message: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,6 +145,8 @@ def render_conversation(
                 **serving.default_template_kwargs,
                 **(conversation.template_kwargs or {}),
             },
+            add_generation_prompt=conversation.add_generation_prompt,
+            continue_final_message=conversation.continue_final_message,
         )
     except Exception as error:  # template errors are the conversation's fault
         raise InvalidRequest(

@@ -20,14 +20,6 @@ from tests.fixtures.scripted_model import ScriptedModel
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="session")
-def reference(default_model: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(default_model), dtype=torch.float32)
-    return model.eval()
-
-
 def log_softmax_of(model: Any, ids: list[int]) -> np.ndarray:
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0].double()

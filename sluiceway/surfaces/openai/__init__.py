@@ -1,5 +1,6 @@
-"""The OpenAI surface: ``/v1/chat/completions``, ``/v1/completions`` and
-``/v1/models``.
+"""The OpenAI surface: ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/models``, and vLLM's tokenizer routes (``/tokenize``, ``/detokenize``,
+``/tokenizer_info``: they read OpenAI chat messages and answer OpenAI errors).
 
 - wire models: ``wire.py`` (shared), ``chat_wire.py``, ``completions_wire.py``
 - translators (request -> neutral generation request): ``chat.py``,
@@ -7,6 +8,7 @@
 - encoders (neutral events -> SSE frames or one body): ``chat_encoder.py``,
   ``completions_encoder.py``, with ``encoding.py`` for the spellings they share
   (``finish_reason``, ``call_`` ids, ``token_id:N``)
+- the tokenizer routes: ``tokenize.py``, ``tokenize_wire.py``
 - the error renderer: ``errors.py``; the API key: ``Authorization: Bearer``
 """
 
@@ -17,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sluiceway.protocol.errors import ApiError
-from sluiceway.surfaces.base import ErrorResponse, Headers, SurfaceHandler
-from sluiceway.surfaces.openai import chat, completions, models
+from sluiceway.surfaces.base import ErrorResponse, Headers, SurfaceHandler, bearer_token
+from sluiceway.surfaces.openai import chat, completions, models, tokenize
 from sluiceway.surfaces.openai.errors import render_error
 from sluiceway.surfaces.openai.fields import OpenAIOptions
 
@@ -38,15 +40,13 @@ class OpenAISurface:
             "/v1/models/{model}": {"GET": models.model},
             "/v1/chat/completions": {"POST": functools.partial(chat.handle, self.options)},
             "/v1/completions": {"POST": functools.partial(completions.handle, self.options)},
+            "/tokenize": {"POST": tokenize.tokenize},
+            "/detokenize": {"POST": tokenize.detokenize},
+            "/tokenizer_info": {"GET": tokenize.tokenizer_info},
         }
 
     def render_error(self, error: ApiError) -> ErrorResponse:
         return render_error(error)
 
     def credentials(self, headers: Headers) -> str | None:
-        for name, value in headers:
-            if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                if scheme.lower() == "bearer":
-                    return token.strip()
-        return None
+        return bearer_token(headers)

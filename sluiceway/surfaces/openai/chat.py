@@ -4,6 +4,7 @@ and generation request, the reply through the chat encoder."""
 from __future__ import annotations
 
 import time
+from typing import Any, Literal, Protocol
 
 import anyio
 
@@ -30,6 +31,7 @@ from sluiceway.surfaces.openai.chat_encoder import (
     ChatStreamEncoder,
 )
 from sluiceway.surfaces.openai.chat_wire import ChatMessage, ChatRequest, NamedToolChoice
+from sluiceway.surfaces.openai.chat_wire import ToolSpec as ToolSpecWire
 from sluiceway.surfaces.openai.fields import OpenAIOptions
 
 _ROLES = {
@@ -64,7 +66,27 @@ def _message(message: ChatMessage) -> Message:
     )
 
 
-def conversation_of(request: ChatRequest) -> Conversation:
+class ConversationFields(Protocol):
+    """The fields of a request that make a conversation (a chat request's,
+    and the messages form of ``/tokenize``)."""
+
+    @property
+    def messages(self) -> list[ChatMessage]: ...
+
+    @property
+    def tools(self) -> list[ToolSpecWire] | None: ...
+
+    @property
+    def tool_choice(self) -> Literal["none", "auto", "required"] | NamedToolChoice | None: ...
+
+    @property
+    def parallel_tool_calls(self) -> bool: ...
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any] | None: ...
+
+
+def conversation_of(request: ConversationFields) -> Conversation:
     """The request's messages, tools and tool choice in neutral terms."""
     choice = request.tool_choice
     tool_choice = None
@@ -149,6 +171,7 @@ async def handle(options: OpenAIOptions, serving: Serving, call: Call) -> None:
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         reasoning_field=options.reasoning_field,
         tokens_as_ids=fields.tokens_as_ids(options, request),
+        prompt_token_ids=prompt.ids if request.return_token_ids else None,
     )
     jobs = [Job(generation, config)]
     if request.stream:

@@ -119,6 +119,7 @@ class SamplingFields(StrictModel):
     prompt_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
     logprob_token_ids: list[StrictInt] | None = None
     return_tokens_as_token_ids: StrictBool | None = None
+    return_token_ids: StrictBool = False
 
 
 class ChatRequest(SamplingFields):
@@ -181,6 +182,8 @@ class ChunkChoiceWire(WireModel):
     finish_reason: str | None
     #: Extension: the stop string or stop token id that ended the choice.
     matched_stop: str | int | None = None
+    #: Extension (``return_token_ids``): the generated ids this chunk carries.
+    token_ids: list[int] | None = None
 
 
 class ChatChunk(WireModel):
@@ -193,6 +196,8 @@ class ChatChunk(WireModel):
     usage: UsageWire | None = None
     #: Extension (``prompt_logprobs``): the prompt tokens' entries, the first null.
     prompt_logprobs: list[TokenLogprobWire | None] | None = None
+    #: Extension (``return_token_ids``): the prompt's ids, on each choice's first chunk.
+    prompt_token_ids: list[int] | None = None
 
 
 class ToolCallMessageWire(WireModel):
@@ -216,6 +221,8 @@ class ChatChoiceWire(WireModel):
     logprobs: ChoiceLogprobsWire | None
     finish_reason: str
     matched_stop: str | int | None = None
+    #: Extension (``return_token_ids``): every generated id, markup included.
+    token_ids: list[int] | None = None
 
 
 class ChatCompletion(WireModel):
@@ -228,3 +235,5 @@ class ChatCompletion(WireModel):
     usage: UsageWire
     #: Extension (``prompt_logprobs``): the prompt tokens' entries, the first null.
     prompt_logprobs: list[TokenLogprobWire | None] | None = None
+    #: Extension (``return_token_ids``): the ids of the prompt the model saw.
+    prompt_token_ids: list[int] | None = None

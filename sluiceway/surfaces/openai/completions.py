@@ -127,6 +127,7 @@ async def handle(options: OpenAIOptions, serving: Serving, call: Call) -> None:
         echoes=tuple(echo_of(table, ids, as_ids) for ids in prompts) if request.echo else None,
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         tokens_as_ids=as_ids,
+        prompt_token_ids=tuple(prompts) if request.return_token_ids else None,
     )
     if request.stream:
         await call.stream(jobs, CompletionStreamEncoder(reply))

@@ -55,6 +55,11 @@ def token_text(token: str, token_id: int, as_ids: bool) -> str:
     return f"token_id:{token_id}" if as_ids else token
 
 
+def ids_json(ids: tuple[int, ...]) -> bytes:
+    """Token ids as the inside of a JSON array (a template's ``token_ids``)."""
+    return ",".join(map(str, ids)).encode()
+
+
 def usage_wire(usage: Usage) -> UsageWire:
     return UsageWire(
         prompt_tokens=usage.prompt_tokens,
