@@ -144,12 +144,13 @@ def _parameter(
     opening = lark_literal(f"{qwen3_coder.PARAMETER_OPEN}{key}>\n")
     value = f"v_{name}"
     rules = [f'{name}: {opening} {value} "\\n"']
-    resolved = prop if isinstance(prop, Mapping) else {}
     if qwen3_coder.is_string_parameter(ToolSchema(name=tool.name, parameters=schema), key):
-        return rules + _text_value(value, resolved)
-    # Typed values are JSON; $refs resolve against the tool's own definitions.
+        target = qwen3_coder.resolved(prop, schema)
+        return rules + _text_value(value, target if isinstance(target, Mapping) else {})
+    # Other values are JSON; $refs resolve against the tool's own definitions.
     definitions = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
-    return [*rules, f"{value}: {lark_json({**resolved, **definitions})} {_END}"]
+    embedded = prop if isinstance(prop, Mapping) else {}
+    return [*rules, f"{value}: {lark_json({**embedded, **definitions})} {_END}"]
 
 
 #: Where a value ends: the newline the parser drops, then the closing tag.
