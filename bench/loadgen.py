@@ -49,6 +49,8 @@ class Target:
     ignore_eos: bool = True
     #: Send ``stream_options.include_usage`` (else rely on a usage the server sends anyway).
     include_usage: bool = True
+    #: More fields for every request's body (``structured_outputs``, say).
+    extra: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(slots=True)
@@ -299,6 +301,7 @@ def stream_one(
         body["ignore_eos"] = True
     if target.include_usage:
         body["stream_options"] = {"include_usage": True}
+    body.update(target.extra)
     payload = json.dumps(body).encode()
     sample = Sample(sent=time.perf_counter())
     pieces: Pieces = []
