@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         "default_chat_template_kwargs": "JSON object of chat template variables every request "
         "starts from, e.g. '{\"enable_thinking\": false}'; a request's chat_template_kwargs "
         "override them key by key",
+        "grammar_compile_timeout": "seconds a structured-output schema or grammar may take "
+        "to compile; a slower one is refused with a 400",
         "cache_dir": "where the default model is built (default: $XDG_CACHE_HOME/sluiceway)",
         "playground": "serve the playground page at / and /playground (no API key needed)",
         "log_level": "logging level",

@@ -70,6 +70,9 @@ class ServerConfig:
     #: (``{"enable_thinking": false}``); a request's own
     #: ``chat_template_kwargs`` override them key by key.
     default_chat_template_kwargs: str | None = None
+    #: A structured-output schema or grammar that takes longer to compile
+    #: is refused (400).
+    grammar_compile_timeout: float = 5.0
     cache_dir: str | None = None
     playground: bool = True
     log_level: str = "info"
@@ -82,6 +85,8 @@ class ServerConfig:
         self.template_defaults()  # refuses what is not a JSON object
         if self.keepalive_seconds <= 0:
             raise ValueError("keepalive_seconds must be positive")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError("grammar_compile_timeout must be positive")
         for name in (
             "port",
             "max_body_bytes",

@@ -27,7 +27,7 @@ from sluiceway.actors.sampler import SamplerConfig
 from sluiceway.actors.scheduler import Scheduler, SchedulerConfig, SchedulerHandle, open_inbox
 from sluiceway.engines.base import Engine
 from sluiceway.engines.default_model import default_model_dir
-from sluiceway.engines.grammar import GrammarEngine
+from sluiceway.engines.grammar import GrammarConfig, GrammarEngine
 from sluiceway.engines.loader import ModelSource, freeze_heap, resolve_model
 from sluiceway.engines.select import (
     choose_engine,
@@ -82,7 +82,11 @@ def _load(config: ServerConfig, thread: EngineThread) -> LoadedModel:
     started = time.perf_counter()
     engine = _start_engine(config, source)
     tokenizer = ModelTokenizer(source.path, engine.info.vocab_size)
-    grammars = _grammar_engine(tokenizer, engine.info.vocab_size)
+    grammars = _grammar_engine(
+        tokenizer,
+        engine.info.vocab_size,
+        GrammarConfig(compile_seconds=config.grammar_compile_timeout),
+    )
     logger.info(
         "loaded %s on %s/%s (%s) in %.1f s",
         source.path,
@@ -94,10 +98,12 @@ def _load(config: ServerConfig, thread: EngineThread) -> LoadedModel:
     return LoadedModel(source, tokenizer, engine, int(time.time()), thread, grammars)
 
 
-def _grammar_engine(tokenizer: ModelTokenizer, vocab_size: int) -> GrammarEngine | None:
+def _grammar_engine(
+    tokenizer: ModelTokenizer, vocab_size: int, config: GrammarConfig
+) -> GrammarEngine | None:
     started = time.perf_counter()
     try:
-        grammars = GrammarEngine(tokenizer.hf, vocab_size, tokenizer.eos_ids)
+        grammars = GrammarEngine(tokenizer.hf, vocab_size, tokenizer.eos_ids, config)
     except Exception:  # a tokenizer llguidance cannot read: serve, without constraints
         logger.exception("the grammar engine cannot use this tokenizer; no structured output")
         return None

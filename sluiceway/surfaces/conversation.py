@@ -108,6 +108,8 @@ class ConversationParams:
     messages: str = "messages"
     tools: str = "tools"
     tool_choice: str = "tool_choice"
+    #: A tool's arguments schema; ``{index}`` is the tool's place in the list.
+    tool_parameters: str = "tools[{index}].function.parameters"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,8 +132,14 @@ def render_conversation(
     conversation: Conversation,
     stops: StopOptions,
     params: ConversationParams = ConversationParams(),
+    *,
+    tools_by_grammar: bool = False,
 ) -> RenderedPrompt:
     """Render the conversation through the chat template and tokenize it.
+
+    A required tool call is forced by a prefix appended to the prompt,
+    unless ``tools_by_grammar``: then the caller constrains the reply with
+    a grammar instead (``sluiceway.surfaces.structured``).
 
     Blocking (template rendering and tokenization): run it in a worker thread.
     """
@@ -154,7 +162,7 @@ def render_conversation(
         ) from error
     parsers = serving.parsers
     forced_prefix = ""
-    if forced is not None and parsers.tools is not None:
+    if forced is not None and parsers.tools is not None and not tools_by_grammar:
         forced_prefix = forced_reasoning_close(parsers.reasoning, rendered.assistant_prefix)
         forced_prefix += forced_tool_prefix(parsers.tools, forced or None)
     options = TextPathOptions(
