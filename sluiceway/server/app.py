@@ -29,6 +29,7 @@ from sluiceway.server.parsing import choose_parsers
 from sluiceway.server.routing import Router, merge_routes
 from sluiceway.server.runtime import LoadedModel, PipelineOptions, load_model, run_pipeline
 from sluiceway.server.state import ServerState
+from sluiceway.surfaces.anthropic import AnthropicSurface
 from sluiceway.surfaces.base import (
     Fallback,
     Headers,
@@ -53,6 +54,7 @@ def surfaces(config: ServerConfig) -> tuple[Surface, ...]:
                 return_tokens_as_token_ids=config.return_tokens_as_token_ids,
             )
         ),
+        AnthropicSurface(),
     )
 
 
@@ -120,8 +122,8 @@ def shared_routes(table: RouteTable, speaks: tuple[Surface, ...]) -> RouteTable:
                             default, alternatives=(*default.alternatives, (spec.test, route))
                         )
                     )
-    for path, methods in fallbacks.items():
-        merged.setdefault(path, methods)
+    for path, routes in fallbacks.items():
+        merged.setdefault(path, routes)
     return merged
 
 
