@@ -19,4 +19,10 @@ FORCED_REQUIRED = Script(
     ("<tool_call>", "\n", '{"name": "', "get_time", '", "arguments": ', '{"tz": "UTC"}', "}\n", "</tool_call>"),
 )  # fmt: skip
 
-ALL_SCRIPTS = (*EXAMPLE_SCRIPTS, FORCED_NAMED, FORCED_REQUIRED)
+#: A call whose arguments are not JSON (a bare word where a string belongs).
+BAD_ARGUMENTS = Script(
+    "bad_arguments",
+    ("<tool_call>", "\n", '{"name": ', '"get_weather"', ', "arguments": ', '{"city": ', "Paris", "}}\n", "</tool_call>"),
+)  # fmt: skip
+
+ALL_SCRIPTS = (*EXAMPLE_SCRIPTS, FORCED_NAMED, FORCED_REQUIRED, BAD_ARGUMENTS)
