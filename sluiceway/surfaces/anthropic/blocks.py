@@ -5,9 +5,9 @@ Blocks follow one another, each opened, written and closed before the next
 opens, in the order the model wrote them: reasoning is a ``thinking`` block,
 content a ``text`` block, each tool call a ``tool_use`` block (its id minted
 where it opens). A delta may carry several channels (the token that closes
-the reasoning and starts the content); the open block takes its part first,
-then reasoning, content and tool calls follow in that order, the order a
-model writes them in.
+the reasoning and starts the content): the rest of an open tool call's
+arguments goes first (text after ``</tool_call>``), then reasoning, content
+and new tool calls, the order a model writes them in.
 
 A tool call's arguments pass through an :class:`ObjectGuard`, so a block's
 input is one JSON object even where the model's arguments are not: the
@@ -99,17 +99,12 @@ class Blocks:
         events: list[BlockEvent] = []
         calls = list(delta.tool_calls)
         current = self._open
-        if current is not None:  # the open block takes its part first
-            if current.kind is BlockKind.THINKING:
-                self._add(BlockKind.THINKING, delta.reasoning, events)
-            elif current.kind is BlockKind.TEXT:
-                self._add(BlockKind.TEXT, delta.content, events)
-            else:
-                while calls and calls[0].index == current.call and calls[0].name is None:
-                    self._arguments(calls.pop(0).arguments, events)
-        for kind, text in ((BlockKind.THINKING, delta.reasoning), (BlockKind.TEXT, delta.content)):
-            if current is None or current.kind is not kind:
-                self._add(kind, text, events)
+        if current is not None and current.kind is BlockKind.TOOL_USE:
+            # The open call's arguments end before any text after the call.
+            while calls and calls[0].index == current.call and calls[0].name is None:
+                self._arguments(calls.pop(0).arguments, events)
+        self._add(BlockKind.THINKING, delta.reasoning, events)
+        self._add(BlockKind.TEXT, delta.content, events)
         for call in calls:
             self._call(call, events)
         if delta.finish is not None:
