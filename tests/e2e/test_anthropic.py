@@ -49,6 +49,12 @@ CHAT_TOOLS = [
 MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "What now?"}]
 EVENTS = TypeAdapter(RawMessageStreamEvent)
 
+#: For what does not depend on the engine or the worker class (request
+#: checks, error shapes, template switches): one of the session's servers.
+ONE_SETUP = pytest.mark.parametrize(
+    "scripted_server", [("asyncio", "transformers")], indirect=True, ids=["asyncio-transformers"]
+)
+
 
 def client(server: RunningServer) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
@@ -380,6 +386,7 @@ def test_arguments_that_are_not_json_still_give_an_object(
         assert blocks_of(stream.get_final_message()) == [("tool_use", {"city": None})]
 
 
+@ONE_SETUP
 @pytest.mark.parametrize(
     ("thinking", "effort", "thinks"),
     [
@@ -539,6 +546,7 @@ def test_disconnect_mid_stream_cancels(server: RunningServer) -> None:
     assert_freed_promptly(server, left=context_room(server), since=closed)
 
 
+@ONE_SETUP
 @pytest.mark.parametrize(
     ("fields", "status", "kind", "needle"),
     [
@@ -593,6 +601,7 @@ def test_errors_have_anthropics_shape(
     assert raised.value.body["error"]["type"] == kind  # type: ignore[index]
 
 
+@ONE_SETUP
 def test_bad_json_and_unknown_route(scripted_server: RunningServer) -> None:
     bad = httpx.post(scripted_server.base_url + "/v1/messages", content=b"{nope")
     assert bad.status_code == 400
@@ -643,6 +652,7 @@ def test_api_key_the_anthropic_ways(keyed_server: RunningServer, scripted: Scrip
     schemas.check(shaped, schemas.MODEL_LIST)
 
 
+@ONE_SETUP
 def test_a_lone_surrogate_does_not_break_the_request(scripted_server: RunningServer) -> None:
     body = (
         b'{"model": "%s", "max_tokens": 20, "messages": [{"role": "user", "content": "hi \\ud83d"}]}'
