@@ -13,7 +13,7 @@ LATEST := .venv-latest
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint typecheck check-lock pytest test-latest lock lock-upgrade bench clean
+.PHONY: serve test test-clients lint typecheck check-lock pytest test-latest lock lock-upgrade bench clean
 
 # The build tools come first, from the lock, so that the editable install
 # builds without fetching unlocked ones into an isolated environment.
@@ -52,6 +52,12 @@ pytest: $(TORCH_STAMP)
 
 # pytest's exit code 5 (nothing collected) fails this target like any other.
 test: lint typecheck check-lock pytest
+
+# Real third-party clients against the server (the Claude Code CLI, installed
+# from tests/clients/claude-code's npm lock by the test itself): minutes of
+# long-prompt prefill, so apart from `make test` (pyproject deselects them).
+test-clients: $(TORCH_STAMP)
+	$(BIN)/python -m pytest -m clients tests/clients $(PYTEST_ARGS)
 
 # Types and the suite on the newest releases that pyproject.toml allows, in a
 # virtualenv of their own, ignoring the lock: a registry release that breaks
