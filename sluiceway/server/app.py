@@ -14,6 +14,7 @@ import anyio
 
 from sluiceway.actors.scheduler import SchedulerConfig, SchedulerHandle
 from sluiceway.protocol.errors import ApiError, AuthenticationFailed, InternalError, NotFound
+from sluiceway.server import playground
 from sluiceway.server.config import ServerConfig
 from sluiceway.server.exchange import HttpCall, Submitter
 from sluiceway.server.health import health
@@ -27,7 +28,13 @@ from sluiceway.server.http import (
 )
 from sluiceway.server.parsing import choose_parsers
 from sluiceway.server.routing import Router, merge_routes
-from sluiceway.server.runtime import LoadedModel, PipelineOptions, load_model, run_pipeline
+from sluiceway.server.runtime import (
+    LoadedModel,
+    PipelineOptions,
+    load_model,
+    prefix_cache_bytes,
+    run_pipeline,
+)
 from sluiceway.server.state import ServerState
 from sluiceway.surfaces.anthropic import AnthropicSurface
 from sluiceway.surfaces.base import (
@@ -76,10 +83,6 @@ class Route:
             if test(headers):
                 return route
         return self
-
-
-#: The server's own routes, which answer without an API key.
-PUBLIC_PATHS = frozenset({"/health"})
 
 
 RouteTable = dict[str, dict[str, Route]]
@@ -133,11 +136,23 @@ def surfaces_table(speaks: tuple[Surface, ...], own: RouteTable | None = None) -
     return shared_routes(claimed, speaks)
 
 
-def route_table(state: ServerState, speaks: tuple[Surface, ...]) -> Router[Route]:
-    """Every route: the server's own (``/health``) and each surface's."""
+def route_table(
+    state: ServerState, speaks: tuple[Surface, ...], page: Mapping[str, playground.Asset]
+) -> Router[Route]:
+    """Every route: the server's own (``/health``, the playground ``page``
+    unless it is off) and each surface's. The server's own answer without an
+    API key; their errors take the default surface's shape."""
     default = speaks[0]
-    own = {"/health": {"GET": Route(functools.partial(health, state), default, public=True)}}
-    return Router(surfaces_table(speaks, own))
+    own: dict[str, Mapping[str, SurfaceHandler]] = {
+        "/health": {"GET": functools.partial(health, state)}
+    }
+    if page:
+        own |= playground.routes(page)
+    public = {
+        path: {method: Route(handler, default, public=True) for method, handler in methods.items()}
+        for path, methods in own.items()
+    }
+    return Router(surfaces_table(speaks, public))
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +162,12 @@ class Live:
     router: Router[Route]
     serving: Serving
     scheduler: Submitter
+
+    def is_public(self, path: str) -> bool:
+        """Whether every route on ``path`` answers without an API key (a
+        wrong method there is then answered 405, not 401)."""
+        methods = self.router.routes.get(path, {})
+        return bool(methods) and all(route.public for route in methods.values())
 
 
 class SluicewayApp:
@@ -158,6 +179,8 @@ class SluicewayApp:
     def __init__(self, config: ServerConfig, speaks: tuple[Surface, ...] | None = None) -> None:
         self.config = config
         self.surfaces = surfaces(config) if speaks is None else speaks
+        #: The playground's files, read once (none with ``--no-playground``).
+        self.page = playground.load_assets() if config.playground else {}
         #: Set once the model is loaded and the pipeline runs.
         self.live: Live | None = None
 
@@ -202,13 +225,14 @@ class SluicewayApp:
             max_num_seqs=self.config.max_num_seqs,
             max_queued_requests=self.config.max_queued_requests,
             prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+            prefix_cache_bytes=prefix_cache_bytes(self.config, model.engine),
         )
 
     def _ready(self, model: LoadedModel, handle: SchedulerHandle) -> None:
         state = ServerState(
             self.config, model, handle, choose_parsers(self.config, model.tokenizer)
         )
-        self.live = Live(route_table(state, self.surfaces), state.serving(), handle)
+        self.live = Live(route_table(state, self.surfaces, self.page), state.serving(), handle)
 
     # --- http ---------------------------------------------------------------
 
@@ -223,7 +247,7 @@ class SluicewayApp:
         surface = self.surfaces[0]
         try:
             live = self._live(scope)
-            found, params = self._resolve(live.router, scope)
+            found, params = self._resolve(live, scope)
             route = found.pick(scope.get("headers", ()))
             surface = route.surface
             if not route.public:
@@ -254,14 +278,14 @@ class SluicewayApp:
             raise NotFound("the server is still starting")
         return self.live
 
-    def _resolve(self, router: Router[Route], scope: Scope) -> tuple[Route, Mapping[str, str]]:
+    def _resolve(self, live: Live, scope: Scope) -> tuple[Route, Mapping[str, str]]:
         """The route, or the error of a request that has none (rendered by
         the default surface); without a route, the default surface's
         credentials are checked first, so a keyless client learns nothing."""
         try:
-            return router.resolve(scope["method"], scope["path"])
+            return live.router.resolve(scope["method"], scope["path"])
         except ApiError:
-            if scope["path"] not in PUBLIC_PATHS:
+            if not live.is_public(scope["path"]):
                 self._authenticate(self.surfaces[0], scope)
             raise
 
