@@ -602,6 +602,14 @@ def test_errors_have_anthropics_shape(
 
 
 @ONE_SETUP
+def test_head_root_with_the_playground(scripted_server: RunningServer) -> None:
+    """Claude Code's probe: the playground's page answers ``HEAD /``."""
+    probe = httpx.head(scripted_server.base_url + "/")
+    assert probe.status_code == 200
+    assert probe.headers["content-type"].startswith("text/html")
+
+
+@ONE_SETUP
 def test_bad_json_and_unknown_route(scripted_server: RunningServer) -> None:
     bad = httpx.post(scripted_server.base_url + "/v1/messages", content=b"{nope")
     assert bad.status_code == 400
@@ -616,7 +624,10 @@ def test_bad_json_and_unknown_route(scripted_server: RunningServer) -> None:
 def keyed_server(
     scripted: ScriptedModel, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
-    with serving(scripted.path, tmp_path_factory.mktemp("logs"), "--api-key", "k3y") as running:
+    # No playground: HEAD / is then the Messages surface's to answer.
+    with serving(
+        scripted.path, tmp_path_factory.mktemp("logs"), "--api-key", "k3y", "--no-playground"
+    ) as running:
         yield running
 
 
@@ -624,7 +635,8 @@ def test_api_key_the_anthropic_ways(keyed_server: RunningServer, scripted: Scrip
     """``x-api-key`` (the SDK's api_key) or ``Authorization: Bearer`` (its
     auth_token); a wrong key is Anthropic's 401; ``HEAD /`` needs none."""
     url = keyed_server.base_url
-    assert httpx.head(url + "/").status_code == 200
+    probe = httpx.head(url + "/")
+    assert (probe.status_code, probe.content) == (200, b"")
     body = {"model": keyed_server.model, "max_tokens": 5, "messages": MESSAGES}
     wrong = httpx.post(url + "/v1/messages", json=body, headers={"x-api-key": "nope"})
     assert (wrong.status_code, wrong.json()["error"]["type"]) == (401, "authentication_error")

@@ -8,8 +8,9 @@
   body): ``encoder.py``, over the block tracker of ``blocks.py``
 - the error renderer: ``errors.py``; the API key: ``x-api-key`` or
   ``Authorization: Bearer``
-- ``HEAD /`` answers 200 where no other surface routes ``/``: Claude Code
-  probes it before its first request.
+- ``GET /`` (and so ``HEAD /``) answers 200 where nothing else routes ``/``
+  (the playground is off): Claude Code probes ``HEAD /`` before its first
+  request.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ __all__ = ["AnthropicSurface"]
 
 
 async def probe(serving: Serving, call: Call) -> None:
-    """``HEAD /``: the server is there (a HEAD reply has no body)."""
+    """``GET /`` and ``HEAD /``: the server is there (the router answers
+    ``HEAD`` with the ``GET`` handler, and a HEAD reply has no body)."""
     await call.send_json("{}")
 
 
@@ -52,7 +54,7 @@ class AnthropicSurface:
             "/v1/models/{model}": {
                 "GET": WhenHeaders(handler=models.model, test=models.speaks_anthropic)
             },
-            "/": {"HEAD": Fallback(handler=probe, public=True)},
+            "/": {"GET": Fallback(handler=probe, public=True)},
         }
 
     def render_error(self, error: ApiError) -> ErrorResponse:
