@@ -13,9 +13,10 @@ nothing: Claude Code asks once more for visible output, gets nothing again,
 and finishes. Had the tool result not reached the prompt, every turn would
 call ``Read`` again and the run would end at its turn limit
 (``error_max_turns``), not with ``success``.
-Its prompts are long (~70k tokens of tools and instructions on the test
-tokenizer), so the model gets a 128k context; each request takes a minute
-or two to prefill on a CPU, which is why this test has its own make target
+Its prompts are long (version 2.1.332: ~44k tokens of tools and
+instructions per request on the test tokenizer), so the model gets a 128k
+context; the first request takes most of a minute to prefill on a CPU (the
+next ones reuse its prefix), which is why this test has its own make target
 (``make test-clients``).
 """
 
@@ -44,19 +45,33 @@ API_KEY = "sk-sluiceway-test"
 ACCESS = re.compile(r'"POST (/v1/messages\S*) [^"]*" (\d{3}) ')
 
 
+def pinned_version() -> str:
+    """The CLI's version as the checked-in lock pins it."""
+    lock = json.loads((CLIENT_DIR / "package-lock.json").read_text())
+    version: str = lock["packages"]["node_modules/@anthropic-ai/claude-code"]["version"]
+    return version
+
+
 @pytest.fixture(scope="session")
 def claude() -> Path:
-    """The pinned CLI, installed from the lock (again when the lock changed)."""
+    """The pinned CLI, installed from the lock as `make test-clients` does
+    (again when the lock changed), and checked to be the locked version."""
     binary = CLIENT_DIR / "node_modules" / ".bin" / "claude"
     stamp = CLIENT_DIR / "node_modules" / ".installed"
-    lock = CLIENT_DIR / "package-lock.json"
-    if not (stamp.is_file() and stamp.stat().st_mtime >= lock.stat().st_mtime and binary.exists()):
+    newest = max(
+        (CLIENT_DIR / name).stat().st_mtime for name in ("package.json", "package-lock.json")
+    )
+    if not (stamp.is_file() and stamp.stat().st_mtime >= newest and binary.exists()):
         npm = shutil.which("npm")
         assert npm, "the Claude Code client test needs Node.js and npm (apt-get install nodejs npm)"
         subprocess.run(
             [npm, "ci", "--no-audit", "--no-fund"], cwd=CLIENT_DIR, check=True, timeout=600
         )
         stamp.touch()
+    shown = subprocess.run(
+        [str(binary), "--version"], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert shown.stdout.split()[0] == pinned_version(), shown.stdout
     return binary
 
 
