@@ -8,7 +8,7 @@ import functools
 import hmac
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 
@@ -36,7 +36,16 @@ from sluiceway.server.runtime import (
     run_pipeline,
 )
 from sluiceway.server.state import ServerState
-from sluiceway.surfaces.base import Serving, Surface, SurfaceHandler
+from sluiceway.surfaces.anthropic import AnthropicSurface
+from sluiceway.surfaces.base import (
+    Fallback,
+    Headers,
+    HeaderTest,
+    Serving,
+    Surface,
+    SurfaceHandler,
+    WhenHeaders,
+)
 from sluiceway.surfaces.openai import OpenAIOptions, OpenAISurface
 from sluiceway.surfaces.tokens import TokensSurface
 
@@ -54,6 +63,7 @@ def surfaces(config: ServerConfig) -> tuple[Surface, ...]:
             )
         ),
         TokensSurface(),
+        AnthropicSurface(),
     )
 
 
@@ -65,13 +75,67 @@ class Route:
     surface: Surface
     #: Answers without an API key.
     public: bool = False
+    #: Other surfaces' routes on the same path and method, each taking the
+    #: requests its header test picks (:class:`WhenHeaders`); tried in order.
+    alternatives: tuple[tuple[HeaderTest, Route], ...] = ()
+
+    def pick(self, headers: Headers) -> Route:
+        """The route that serves a request with these headers."""
+        for test, route in self.alternatives:
+            if test(headers):
+                return route
+        return self
 
 
-def surface_routes(surface: Surface) -> dict[str, dict[str, Route]]:
-    return {
-        path: {method: Route(handler, surface) for method, handler in methods.items()}
-        for path, methods in surface.routes().items()
-    }
+RouteTable = dict[str, dict[str, Route]]
+
+
+def surface_routes(surface: Surface) -> RouteTable:
+    """The routes a surface claims alone (not those it shares with others)."""
+    table: RouteTable = {}
+    for path, methods in surface.routes().items():
+        own = {
+            method: Route(spec, surface)
+            for method, spec in methods.items()
+            if not isinstance(spec, WhenHeaders | Fallback)
+        }
+        if own:
+            table[path] = own
+    return table
+
+
+def shared_routes(table: RouteTable, speaks: tuple[Surface, ...]) -> RouteTable:
+    """``table`` with the routes the surfaces share added: a
+    :class:`WhenHeaders` route goes before the path's own route, a
+    :class:`Fallback` where no route has the path."""
+    merged = {path: dict(methods) for path, methods in table.items()}
+    fallbacks: RouteTable = {}
+    for surface in speaks:
+        for path, methods in surface.routes().items():
+            for method, spec in methods.items():
+                if isinstance(spec, Fallback):
+                    route = Route(spec.handler, surface, public=spec.public)
+                    fallbacks.setdefault(path, {})[method] = route
+                elif isinstance(spec, WhenHeaders):
+                    slot = merged.setdefault(path, {})
+                    route = Route(spec.handler, surface)
+                    default = slot.get(method)
+                    slot[method] = (
+                        route
+                        if default is None
+                        else replace(
+                            default, alternatives=(*default.alternatives, (spec.test, route))
+                        )
+                    )
+    for path, routes in fallbacks.items():
+        merged.setdefault(path, routes)
+    return merged
+
+
+def surfaces_table(speaks: tuple[Surface, ...], own: RouteTable | None = None) -> RouteTable:
+    """The server's own routes and every surface's, shared ones included."""
+    claimed = merge_routes(own or {}, *(surface_routes(surface) for surface in speaks))
+    return shared_routes(claimed, speaks)
 
 
 def route_table(
@@ -90,7 +154,7 @@ def route_table(
         path: {method: Route(handler, default, public=True) for method, handler in methods.items()}
         for path, methods in own.items()
     }
-    return Router(merge_routes(public, *(surface_routes(surface) for surface in speaks)))
+    return Router(surfaces_table(speaks, public))
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +249,8 @@ class SluicewayApp:
         surface = self.surfaces[0]
         try:
             live = self._live(scope)
-            route, params = self._resolve(live, scope)
+            found, params = self._resolve(live, scope)
+            route = found.pick(scope.get("headers", ()))
             surface = route.surface
             if not route.public:
                 self._authenticate(surface, scope)

@@ -142,6 +142,35 @@ class Serving:
 
 SurfaceHandler = Callable[[Serving, Call], Awaitable[None]]
 
+#: A test on a request's headers (``anthropic-version`` present, say).
+HeaderTest = Callable[[Headers], bool]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WhenHeaders:
+    """A route on a path and method that another surface serves too: this
+    handler takes the requests whose headers ``test`` picks, the other
+    surface's the rest (and this one all of them where no other serves it).
+    ``GET /v1/models`` answers in Anthropic's shape to a request that carries
+    ``anthropic-version``, in OpenAI's to any other."""
+
+    handler: SurfaceHandler
+    test: HeaderTest
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fallback:
+    """A route that answers only where no other surface routes its path (a
+    client's probe of ``HEAD /``, which a page at ``/`` answers when there
+    is one); ``public``: it answers without an API key."""
+
+    handler: SurfaceHandler
+    public: bool = False
+
+
+#: What a surface routes a path and method to.
+RouteSpec = SurfaceHandler | WhenHeaders | Fallback
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ErrorResponse:
@@ -159,8 +188,10 @@ class Surface(Protocol):
     @property
     def name(self) -> str: ...
 
-    def routes(self) -> Mapping[str, Mapping[str, SurfaceHandler]]:
-        """Path -> method -> handler; paths may hold ``{name}`` segments."""
+    def routes(self) -> Mapping[str, Mapping[str, RouteSpec]]:
+        """Path -> method -> handler; paths may hold ``{name}`` segments. A
+        handler wrapped in :class:`WhenHeaders` or :class:`Fallback` shares
+        its path with other surfaces."""
         ...
 
     def render_error(self, error: ApiError) -> ErrorResponse: ...

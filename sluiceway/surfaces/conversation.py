@@ -11,10 +11,12 @@ appends to the prompt comes from the parser registry.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sluiceway.engines.tokenizer import ChatRender
 from sluiceway.parsers.registry import (
     TextPathOptions,
     ToolSchema,
@@ -99,6 +101,10 @@ class Conversation:
     add_generation_prompt: bool = True
     #: Leave the final message open for the model to continue (no generation prompt).
     continue_final_message: bool = False
+    #: The template's thinking switch (:data:`THINKING_SWITCH`); None: leave
+    #: it to the template (or the server's defaults). ``template_kwargs``
+    #: override it.
+    thinking: bool | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,6 +125,15 @@ class StopOptions:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
+
+
+#: The chat template variable that turns thinking on or off (Qwen3's name,
+#: which the project's templates and most hybrid-thinking models read).
+THINKING_SWITCH = "enable_thinking"
+
+#: Characters no tokenizer takes: halves of UTF-16 surrogate pairs, which a
+#: JSON body can carry (``"\ud83d"`` alone) and Python keeps.
+_LONE_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,22 +159,7 @@ def render_conversation(
     Blocking (template rendering and tokenization): run it in a worker thread.
     """
     parse_tools, forced = _tool_mode(serving, conversation, params)
-    offered = () if _mode(conversation) is ToolChoiceMode.NONE else conversation.tools
-    try:
-        rendered = serving.tokenizer.chat.render(
-            [_template_message(message) for message in conversation.messages],
-            tools=[_template_tool(tool) for tool in offered],
-            template_kwargs={
-                **serving.default_template_kwargs,
-                **(conversation.template_kwargs or {}),
-            },
-            add_generation_prompt=conversation.add_generation_prompt,
-            continue_final_message=conversation.continue_final_message,
-        )
-    except Exception as error:  # template errors are the conversation's fault
-        raise InvalidRequest(
-            f"the chat template could not render these messages: {error}", param=params.messages
-        ) from error
+    rendered = _render(serving, conversation, params)
     parsers = serving.parsers
     forced_prefix = ""
     if forced is not None and parsers.tools is not None and not tools_by_grammar:
@@ -180,8 +180,69 @@ def render_conversation(
         assistant_prefix=rendered.assistant_prefix,
         forced_prefix=forced_prefix,
     )
-    ids = serving.tokenizer.encode(rendered.text + forced_prefix)
+    ids = serving.tokenizer.encode(_LONE_SURROGATES.sub("\ufffd", rendered.text + forced_prefix))
     return RenderedPrompt(tuple(ids), options)
+
+
+def template_kwargs(serving: Serving, conversation: Conversation) -> dict[str, Any]:
+    """The chat template's variables: the server's defaults, the thinking
+    switch, then the conversation's own, each overriding the one before."""
+    switch = {} if conversation.thinking is None else {THINKING_SWITCH: conversation.thinking}
+    return {
+        **serving.default_template_kwargs,
+        **switch,
+        **(conversation.template_kwargs or {}),
+    }
+
+
+def _render(serving: Serving, conversation: Conversation, params: ConversationParams) -> ChatRender:
+    """The chat template's rendering of the conversation.
+
+    A system message after the first message is rendered where it stands
+    when the template does so (it renders, and shows the message's text);
+    otherwise -- many templates refuse a system message anywhere but first,
+    or drop it -- every system message is folded into the leading one.
+    """
+    messages = conversation.messages
+    late = [message for message in messages[1:] if message.role is Role.SYSTEM]
+    try:
+        rendered = _apply(serving, conversation, messages, params)
+    except InvalidRequest:
+        if not late:
+            raise
+    else:
+        if all(message.text.strip() in rendered.text for message in late):
+            return rendered
+    return _apply(serving, conversation, _fold_systems(messages), params)
+
+
+def _fold_systems(messages: Sequence[Message]) -> tuple[Message, ...]:
+    """The conversation with every system message's text in one leading
+    system message (joined by blank lines, in order)."""
+    systems = [message.text for message in messages if message.role is Role.SYSTEM]
+    others = tuple(message for message in messages if message.role is not Role.SYSTEM)
+    return (Message(role=Role.SYSTEM, text="\n\n".join(systems)), *others)
+
+
+def _apply(
+    serving: Serving,
+    conversation: Conversation,
+    messages: Sequence[Message],
+    params: ConversationParams,
+) -> ChatRender:
+    offered = () if _mode(conversation) is ToolChoiceMode.NONE else conversation.tools
+    try:
+        return serving.tokenizer.chat.render(
+            [_template_message(message) for message in messages],
+            tools=[_template_tool(tool) for tool in offered],
+            template_kwargs=template_kwargs(serving, conversation),
+            add_generation_prompt=conversation.add_generation_prompt,
+            continue_final_message=conversation.continue_final_message,
+        )
+    except Exception as error:  # template errors are the conversation's fault
+        raise InvalidRequest(
+            f"the chat template could not render these messages: {error}", param=params.messages
+        ) from error
 
 
 def _mode(conversation: Conversation) -> ToolChoiceMode:

@@ -64,6 +64,12 @@ CODER_CALL = Script(
     ),
 )  # fmt: skip
 
+#: A call whose arguments are not JSON (a bare word where a string belongs).
+BAD_ARGUMENTS = Script(
+    "bad_arguments",
+    ("<tool_call>", "\n", '{"name": ', '"get_weather"', ', "arguments": ', '{"city": ', "Paris", "}}\n", "</tool_call>"),
+)  # fmt: skip
+
 ALL_SCRIPTS = (
     *EXAMPLE_SCRIPTS,
     FORCED_NAMED,
@@ -72,4 +78,5 @@ ALL_SCRIPTS = (
     JSON_AFTER_REASONING,
     STRICT_CALL,
     CODER_CALL,
+    BAD_ARGUMENTS,
 )

@@ -79,8 +79,13 @@ def plain_server(
 
 
 def test_no_playground_turns_it_off(plain_server: RunningServer) -> None:
-    for path in FILES:
+    for path in FILES.keys() - {"/"}:
         reply = httpx.get(plain_server.base_url + path, timeout=10)
         assert reply.status_code == 404, path
         assert reply.json()["error"]["type"] == "not_found_error"
+    # Without the page, the Messages surface answers the root (Claude Code
+    # probes HEAD /): 200, and no page.
+    root = httpx.get(plain_server.base_url + "/", timeout=10)
+    assert (root.status_code, root.headers["content-type"]) == (200, "application/json"), root
+    assert httpx.head(plain_server.base_url + "/", timeout=10).status_code == 200
     assert httpx.get(plain_server.api_url + "/models", timeout=10).status_code == 200
