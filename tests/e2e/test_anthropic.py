@@ -14,7 +14,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
+from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent, Usage
 from httpx_sse import connect_sse
 from pydantic import TypeAdapter
 
@@ -152,6 +152,11 @@ def chat(server: RunningServer, scripted: ScriptedModel, script: str, **fields: 
         )
 
 
+def prompt_tokens(usage: Usage) -> int:
+    """The whole prompt: Anthropic counts the part read from the cache apart."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
 def blocks_of(message: Message) -> list[tuple[str, Any]]:
     return [
         (block.type, block.input if block.type == "tool_use" else getattr(block, block.type))
@@ -232,7 +237,7 @@ def test_stream_helpers_and_count_tokens(
             system="Be brief.",
             extra_body=script_body(scripted, "reasoning"),
         )
-        assert count.input_tokens == message.usage.input_tokens
+        assert count.input_tokens == prompt_tokens(message.usage)
         listed = sdk.models.list()
         assert [model.id for model in listed.data] == [scripted_server.model]
         assert sdk.models.retrieve(scripted_server.model).max_input_tokens == context_room(
@@ -267,7 +272,37 @@ async def test_async_sdk_creates_and_streams(
         )
     assert blocks_of(created) == blocks_of(final)
     assert [block.type for block in final.content] == ["thinking", "tool_use"]
-    assert count.input_tokens == created.usage.input_tokens == final.usage.input_tokens
+    assert count.input_tokens == prompt_tokens(created.usage) == prompt_tokens(final.usage)
+
+
+def test_a_repeated_prompt_is_read_from_the_cache(
+    scripted_server: RunningServer, scripted: ScriptedModel
+) -> None:
+    system = "Answer as a weather bot would. " * 20  # a long prefix both requests share
+    first = create(scripted_server, scripted, "reasoning", system=system)
+    again = create(scripted_server, scripted, "reasoning", system=system)
+    with client(scripted_server) as sdk:
+        with sdk.messages.stream(
+            model=scripted_server.model,
+            max_tokens=200,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            system=system,
+            extra_body=script_body(scripted, "reasoning"),
+        ) as stream:
+            streamed = stream.get_final_message()
+        count = sdk.messages.count_tokens(
+            model=scripted_server.model,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            system=system,
+            extra_body={"chat_template_kwargs": scripted.chat_kwargs("reasoning")},
+        )
+    assert blocks_of(first) == blocks_of(again) == blocks_of(streamed)
+    for usage in (again.usage, streamed.usage):
+        # all but the prompt's last token (its logits are needed) can be reused
+        assert usage.cache_read_input_tokens is not None
+        assert usage.cache_read_input_tokens > count.input_tokens // 2
+        assert usage.input_tokens == count.input_tokens - usage.cache_read_input_tokens >= 1
+        assert usage.cache_creation_input_tokens == 0
 
 
 def test_stop_sequence_across_token_boundaries(
@@ -340,7 +375,7 @@ def test_tool_result_round_trip_renders_as_chat_does(
             tools=CHAT_TOOLS,  # type: ignore[arg-type]
             extra_body={"chat_template_kwargs": scripted.chat_kwargs("reasoning")},
         )
-    assert answer.usage.input_tokens == same.usage.prompt_tokens
+    assert prompt_tokens(answer.usage) == same.usage.prompt_tokens
     longer = [
         *turns[:-1],
         {**turns[-1], "content": [{**turns[-1]["content"][0], "content": result * 2}]},

@@ -55,17 +55,27 @@ from sluiceway.surfaces.wire import WireModel
 class MessageReplyConfig:
     message_id: str
     model: str
-    #: The prompt's length in tokens (``usage.input_tokens``).
+    #: The prompt's length in tokens: ``message_start``'s ``input_tokens``,
+    #: sent before the prefix cache's share is known; ``message_delta``
+    #: then gives the split (:func:`usage_wire`), which the SDKs apply.
     input_tokens: int
 
 
-def usage_wire(input_tokens: int, output_tokens: int) -> UsageWire:
+def usage_wire(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> UsageWire:
+    """Anthropic's usage: ``input_tokens`` counts only the prompt tokens that
+    were prefilled, the ones the prefix cache supplied are
+    ``cache_read_input_tokens`` (their sum is ``count_tokens``). The cache
+    is filled as a side effect of every prefill, so no write is reported."""
     return UsageWire(
-        input_tokens=input_tokens,
+        input_tokens=prompt_tokens - cached_tokens,
         output_tokens=output_tokens,
         cache_creation_input_tokens=0,
-        cache_read_input_tokens=0,
+        cache_read_input_tokens=cached_tokens,
     )
+
+
+def final_usage(usage: Usage) -> UsageWire:
+    return usage_wire(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
 
 
 def event(model: WireModel) -> bytes:
@@ -126,7 +136,7 @@ class MessageStreamEncoder:
             return event(
                 MessageDeltaEvent(
                     delta=StopDelta(stop_reason=stop, stop_sequence=sequence),
-                    usage=usage_wire(item.usage.prompt_tokens, item.usage.completion_tokens),
+                    usage=final_usage(item.usage),
                 )
             ) + event(MessageStopEvent())
         if isinstance(item, Failed):
@@ -220,5 +230,5 @@ class MessageAccumulator:
             content=[block.wire() for block in self._content],
             stop_reason=stop,
             stop_sequence=sequence,
-            usage=usage_wire(self.usage.prompt_tokens, self.usage.completion_tokens),
+            usage=final_usage(self.usage),
         )
