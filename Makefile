@@ -8,12 +8,15 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check
 LOCK := requirements.lock
 STAMP := $(VENV)/.installed
 TORCH_STAMP := $(VENV)/.installed-torch
+# The Claude Code CLI at the version its npm lock pins (`make test-clients`).
+CLAUDE_CODE := tests/clients/claude-code
+CLIENTS_STAMP := $(CLAUDE_CODE)/node_modules/.installed
 # The newest releases pyproject.toml allows, ignoring the lock (`make test-latest`).
 LATEST := .venv-latest
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint typecheck check-lock pytest test-latest lock lock-upgrade bench clean
+.PHONY: serve test test-clients lint typecheck check-lock browser pytest test-latest lock lock-upgrade bench clean
 
 # The build tools come first, from the lock, so that the editable install
 # builds without fetching unlocked ones into an isolated environment.
@@ -47,11 +50,33 @@ typecheck: $(TORCH_STAMP)
 check-lock: $(TORCH_STAMP)
 	$(BIN)/python scripts/check_lock.py $(LOCK)
 
-pytest: $(TORCH_STAMP)
+# The playground's browser tests drive Debian's chromium (through playwright,
+# never `playwright install`): installed here when it is missing and apt-get
+# can (as root). Without it those tests skip, except under CI=true, where
+# they fail.
+CHROMIUM := /usr/bin/chromium
+
+browser:
+	@if [ ! -x $(CHROMIUM) ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; \
+	fi
+
+pytest: $(TORCH_STAMP) browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # pytest's exit code 5 (nothing collected) fails this target like any other.
 test: lint typecheck check-lock pytest
+
+# The pinned clients, exactly as locked (the test installs them the same way
+# when run alone, and checks the installed version against the lock).
+$(CLIENTS_STAMP): $(CLAUDE_CODE)/package.json $(CLAUDE_CODE)/package-lock.json
+	cd $(CLAUDE_CODE) && npm ci --no-audit --no-fund
+	touch $(CLIENTS_STAMP)
+
+# Real third-party clients against the server (the Claude Code CLI): minutes
+# of long-prompt prefill, so apart from `make test` (pyproject deselects them).
+test-clients: $(TORCH_STAMP) $(CLIENTS_STAMP)
+	$(BIN)/python -m pytest -m clients tests/clients $(PYTEST_ARGS)
 
 # Types and the suite on the newest releases that pyproject.toml allows, in a
 # virtualenv of their own, ignoring the lock: a registry release that breaks
@@ -67,6 +92,7 @@ test-latest: $(STAMP)
 	$(LATEST)/bin/python -m pip list --disable-pip-version-check --format=freeze > $(LATEST)/installed.txt
 	-$(BIN)/python scripts/check_lock.py $(LOCK) --python $(LATEST)/bin/python
 	cd $(CURDIR) && $(LATEST)/bin/mypy
+	$(MAKE) browser
 	$(LATEST)/bin/python -m pytest $(PYTEST_ARGS)
 
 # Regenerate the lock after a change to pyproject.toml or lock.in, keeping
@@ -87,4 +113,4 @@ bench: $(TORCH_STAMP)
 	$(BIN)/python bench/serve.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(LATEST) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST) .pytest_cache .mypy_cache .ruff_cache $(CLAUDE_CODE)/node_modules

@@ -54,6 +54,8 @@ class Target:
     #: Which endpoint: a text prompt to ``/v1/completions``, or as a user
     #: message to ``/v1/chat/completions``; token ids to ``/inference/v1/generate``.
     api: Literal["completions", "chat", "generate"] = "completions"
+    #: More fields for every request's body (``structured_outputs``, say).
+    extra: tuple[tuple[str, object], ...] = ()
 
 
 #: A request's prompt: text, or token ids for ``/inference/v1/generate``.
@@ -318,7 +320,8 @@ def request_body(target: Target, prompt: Prompt, max_tokens: int) -> dict[str, o
 def stream_one(
     connection: Connection, target: Target, prompt: Prompt, max_tokens: int, time_limit: float
 ) -> Sample:
-    payload = json.dumps(request_body(target, prompt, max_tokens)).encode()
+    body = request_body(target, prompt, max_tokens) | dict(target.extra)
+    payload = json.dumps(body).encode()
     sample = Sample(sent=time.perf_counter())
     pieces: Pieces = []
     path = PATHS[target.api]

@@ -132,6 +132,7 @@ def write_qwen3(
     weights: Weights,
     *,
     eos_ids: tuple[int, ...] | None = None,
+    rope_theta: float = 1000000.0,
 ) -> None:
     """Write ``config.json``, ``generation_config.json`` and the weights."""
     from safetensors.numpy import save_file
@@ -147,7 +148,7 @@ def write_qwen3(
         **asdict(dims),
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
+        "rope_theta": rope_theta,
         "rope_scaling": None,
         "attention_bias": False,
         "attention_dropout": 0.0,

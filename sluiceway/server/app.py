@@ -8,12 +8,13 @@ import functools
 import hmac
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 
 from sluiceway.actors.scheduler import SchedulerConfig, SchedulerHandle
 from sluiceway.protocol.errors import ApiError, AuthenticationFailed, InternalError, NotFound
+from sluiceway.server import playground
 from sluiceway.server.config import ServerConfig
 from sluiceway.server.exchange import HttpCall, Submitter
 from sluiceway.server.health import health
@@ -27,9 +28,24 @@ from sluiceway.server.http import (
 )
 from sluiceway.server.parsing import choose_parsers
 from sluiceway.server.routing import Router, merge_routes
-from sluiceway.server.runtime import LoadedModel, PipelineOptions, load_model, run_pipeline
+from sluiceway.server.runtime import (
+    LoadedModel,
+    PipelineOptions,
+    load_model,
+    prefix_cache_bytes,
+    run_pipeline,
+)
 from sluiceway.server.state import ServerState
-from sluiceway.surfaces.base import Serving, Surface, SurfaceHandler
+from sluiceway.surfaces.anthropic import AnthropicSurface
+from sluiceway.surfaces.base import (
+    Fallback,
+    Headers,
+    HeaderTest,
+    Serving,
+    Surface,
+    SurfaceHandler,
+    WhenHeaders,
+)
 from sluiceway.surfaces.openai import OpenAIOptions, OpenAISurface
 from sluiceway.surfaces.tokens import TokensSurface
 
@@ -47,6 +63,7 @@ def surfaces(config: ServerConfig) -> tuple[Surface, ...]:
             )
         ),
         TokensSurface(),
+        AnthropicSurface(),
     )
 
 
@@ -58,24 +75,86 @@ class Route:
     surface: Surface
     #: Answers without an API key.
     public: bool = False
+    #: Other surfaces' routes on the same path and method, each taking the
+    #: requests its header test picks (:class:`WhenHeaders`); tried in order.
+    alternatives: tuple[tuple[HeaderTest, Route], ...] = ()
+
+    def pick(self, headers: Headers) -> Route:
+        """The route that serves a request with these headers."""
+        for test, route in self.alternatives:
+            if test(headers):
+                return route
+        return self
 
 
-#: The server's own routes, which answer without an API key.
-PUBLIC_PATHS = frozenset({"/health"})
+RouteTable = dict[str, dict[str, Route]]
 
 
-def surface_routes(surface: Surface) -> dict[str, dict[str, Route]]:
-    return {
-        path: {method: Route(handler, surface) for method, handler in methods.items()}
-        for path, methods in surface.routes().items()
-    }
+def surface_routes(surface: Surface) -> RouteTable:
+    """The routes a surface claims alone (not those it shares with others)."""
+    table: RouteTable = {}
+    for path, methods in surface.routes().items():
+        own = {
+            method: Route(spec, surface)
+            for method, spec in methods.items()
+            if not isinstance(spec, WhenHeaders | Fallback)
+        }
+        if own:
+            table[path] = own
+    return table
 
 
-def route_table(state: ServerState, speaks: tuple[Surface, ...]) -> Router[Route]:
-    """Every route: the server's own (``/health``) and each surface's."""
+def shared_routes(table: RouteTable, speaks: tuple[Surface, ...]) -> RouteTable:
+    """``table`` with the routes the surfaces share added: a
+    :class:`WhenHeaders` route goes before the path's own route, a
+    :class:`Fallback` where no route has the path."""
+    merged = {path: dict(methods) for path, methods in table.items()}
+    fallbacks: RouteTable = {}
+    for surface in speaks:
+        for path, methods in surface.routes().items():
+            for method, spec in methods.items():
+                if isinstance(spec, Fallback):
+                    route = Route(spec.handler, surface, public=spec.public)
+                    fallbacks.setdefault(path, {})[method] = route
+                elif isinstance(spec, WhenHeaders):
+                    slot = merged.setdefault(path, {})
+                    route = Route(spec.handler, surface)
+                    default = slot.get(method)
+                    slot[method] = (
+                        route
+                        if default is None
+                        else replace(
+                            default, alternatives=(*default.alternatives, (spec.test, route))
+                        )
+                    )
+    for path, routes in fallbacks.items():
+        merged.setdefault(path, routes)
+    return merged
+
+
+def surfaces_table(speaks: tuple[Surface, ...], own: RouteTable | None = None) -> RouteTable:
+    """The server's own routes and every surface's, shared ones included."""
+    claimed = merge_routes(own or {}, *(surface_routes(surface) for surface in speaks))
+    return shared_routes(claimed, speaks)
+
+
+def route_table(
+    state: ServerState, speaks: tuple[Surface, ...], page: Mapping[str, playground.Asset]
+) -> Router[Route]:
+    """Every route: the server's own (``/health``, the playground ``page``
+    unless it is off) and each surface's. The server's own answer without an
+    API key; their errors take the default surface's shape."""
     default = speaks[0]
-    own = {"/health": {"GET": Route(functools.partial(health, state), default, public=True)}}
-    return Router(merge_routes(own, *(surface_routes(surface) for surface in speaks)))
+    own: dict[str, Mapping[str, SurfaceHandler]] = {
+        "/health": {"GET": functools.partial(health, state)}
+    }
+    if page:
+        own |= playground.routes(page)
+    public = {
+        path: {method: Route(handler, default, public=True) for method, handler in methods.items()}
+        for path, methods in own.items()
+    }
+    return Router(surfaces_table(speaks, public))
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +164,12 @@ class Live:
     router: Router[Route]
     serving: Serving
     scheduler: Submitter
+
+    def is_public(self, path: str) -> bool:
+        """Whether every route on ``path`` answers without an API key (a
+        wrong method there is then answered 405, not 401)."""
+        methods = self.router.routes.get(path, {})
+        return bool(methods) and all(route.public for route in methods.values())
 
 
 class SluicewayApp:
@@ -96,6 +181,8 @@ class SluicewayApp:
     def __init__(self, config: ServerConfig, speaks: tuple[Surface, ...] | None = None) -> None:
         self.config = config
         self.surfaces = surfaces(config) if speaks is None else speaks
+        #: The playground's files, read once (none with ``--no-playground``).
+        self.page = playground.load_assets() if config.playground else {}
         #: Set once the model is loaded and the pipeline runs.
         self.live: Live | None = None
 
@@ -140,13 +227,14 @@ class SluicewayApp:
             max_num_seqs=self.config.max_num_seqs,
             max_queued_requests=self.config.max_queued_requests,
             prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+            prefix_cache_bytes=prefix_cache_bytes(self.config, model.engine),
         )
 
     def _ready(self, model: LoadedModel, handle: SchedulerHandle) -> None:
         state = ServerState(
             self.config, model, handle, choose_parsers(self.config, model.tokenizer)
         )
-        self.live = Live(route_table(state, self.surfaces), state.serving(), handle)
+        self.live = Live(route_table(state, self.surfaces, self.page), state.serving(), handle)
 
     # --- http ---------------------------------------------------------------
 
@@ -161,7 +249,8 @@ class SluicewayApp:
         surface = self.surfaces[0]
         try:
             live = self._live(scope)
-            route, params = self._resolve(live.router, scope)
+            found, params = self._resolve(live, scope)
+            route = found.pick(scope.get("headers", ()))
             surface = route.surface
             if not route.public:
                 self._authenticate(surface, scope)
@@ -191,14 +280,14 @@ class SluicewayApp:
             raise NotFound("the server is still starting")
         return self.live
 
-    def _resolve(self, router: Router[Route], scope: Scope) -> tuple[Route, Mapping[str, str]]:
+    def _resolve(self, live: Live, scope: Scope) -> tuple[Route, Mapping[str, str]]:
         """The route, or the error of a request that has none (rendered by
         the default surface); without a route, the default surface's
         credentials are checked first, so a keyless client learns nothing."""
         try:
-            return router.resolve(scope["method"], scope["path"])
+            return live.router.resolve(scope["method"], scope["path"])
         except ApiError:
-            if scope["path"] not in PUBLIC_PATHS:
+            if not live.is_public(scope["path"]):
                 self._authenticate(self.surfaces[0], scope)
             raise
 

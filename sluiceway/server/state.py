@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from sluiceway.actors.constraints import ConstraintCompiler
 from sluiceway.actors.scheduler import SchedulerHandle
 from sluiceway.parsers.registry import ParserChoice
 from sluiceway.server.config import ServerConfig
@@ -40,4 +41,5 @@ class ServerState:
             prefix_preserving=MappingProxyType(
                 template_probes(self.model.tokenizer, template_kwargs)
             ),
+            constraints=ConstraintCompiler(self.model.grammars),
         )

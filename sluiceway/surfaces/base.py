@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from sluiceway.actors.constraints import ConstraintCompiler
 from sluiceway.actors.output import OutputConfig
 from sluiceway.engines.base import EngineInfo
 from sluiceway.engines.tokenizer import ModelTokenizer
@@ -83,6 +84,11 @@ class Call(Protocol):
         ...
 
     @property
+    def method(self) -> str:
+        """``GET``, ``POST``, ... (a ``HEAD`` request's replies go out without a body)."""
+        ...
+
+    @property
     def headers(self) -> Headers: ...
 
     async def body(self) -> bytes:
@@ -90,6 +96,10 @@ class Call(Protocol):
         ...
 
     async def send_json(self, text: str, status: int = 200) -> None: ...
+
+    async def send_bytes(self, status: int, body: bytes, headers: Headers) -> None:
+        """A whole reply of any content type (the headers name it)."""
+        ...
 
     async def stream(self, jobs: Sequence[Job], encoder: StreamEncoder) -> None:
         """Submit the jobs and stream the encoder's frames until the reply
@@ -120,6 +130,9 @@ class Serving:
     #: Whether the chat template is prefix-preserving for a user message and
     #: a tool result after an assistant turn (probed at start-up; issue K).
     prefix_preserving: Mapping[str, bool | None] = field(default_factory=dict)
+    #: Compiles the constraints of structured output (refuses them all
+    #: where the model's tokenizer has no grammar engine).
+    constraints: ConstraintCompiler = field(default_factory=lambda: ConstraintCompiler(None))
 
     @property
     def vocab_size(self) -> int:
@@ -131,6 +144,35 @@ class Serving:
 
 
 SurfaceHandler = Callable[[Serving, Call], Awaitable[None]]
+
+#: A test on a request's headers (``anthropic-version`` present, say).
+HeaderTest = Callable[[Headers], bool]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WhenHeaders:
+    """A route on a path and method that another surface serves too: this
+    handler takes the requests whose headers ``test`` picks, the other
+    surface's the rest (and this one all of them where no other serves it).
+    ``GET /v1/models`` answers in Anthropic's shape to a request that carries
+    ``anthropic-version``, in OpenAI's to any other."""
+
+    handler: SurfaceHandler
+    test: HeaderTest
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fallback:
+    """A route that answers only where no other surface routes its path (a
+    client's probe of ``HEAD /``, which a page at ``/`` answers when there
+    is one); ``public``: it answers without an API key."""
+
+    handler: SurfaceHandler
+    public: bool = False
+
+
+#: What a surface routes a path and method to.
+RouteSpec = SurfaceHandler | WhenHeaders | Fallback
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,8 +191,10 @@ class Surface(Protocol):
     @property
     def name(self) -> str: ...
 
-    def routes(self) -> Mapping[str, Mapping[str, SurfaceHandler]]:
-        """Path -> method -> handler; paths may hold ``{name}`` segments."""
+    def routes(self) -> Mapping[str, Mapping[str, RouteSpec]]:
+        """Path -> method -> handler; paths may hold ``{name}`` segments. A
+        handler wrapped in :class:`WhenHeaders` or :class:`Fallback` shares
+        its path with other surfaces."""
         ...
 
     def render_error(self, error: ApiError) -> ErrorResponse: ...

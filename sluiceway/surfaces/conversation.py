@@ -11,6 +11,7 @@ appends to the prompt comes from the parser registry.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +76,10 @@ class Conversation:
     add_generation_prompt: bool = True
     #: Leave the final message open for the model to continue (no generation prompt).
     continue_final_message: bool = False
+    #: The template's thinking switch (:data:`THINKING_SWITCH`); None: leave
+    #: it to the template (or the server's defaults). ``template_kwargs``
+    #: override it.
+    thinking: bool | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,7 +89,8 @@ class ConversationParams:
     messages: str = "messages"
     tools: str = "tools"
     tool_choice: str = "tool_choice"
-
+    #: A tool's arguments schema; ``{index}`` is the tool's place in the list.
+    tool_parameters: str = "tools[{index}].function.parameters"
     #: Where each neutral message came from, for a surface whose items do
     #: not map one to one onto messages (``input[4]``); empty: ``messages[i]``.
     locations: tuple[str, ...] = ()
@@ -104,6 +110,15 @@ class StopOptions:
     min_tokens: int = 0
 
 
+#: The chat template variable that turns thinking on or off (Qwen3's name,
+#: which the project's templates and most hybrid-thinking models read).
+THINKING_SWITCH = "enable_thinking"
+
+#: Characters no tokenizer takes: halves of UTF-16 surrogate pairs, which a
+#: JSON body can carry (``"\ud83d"`` alone) and Python keeps.
+_LONE_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
 @dataclass(frozen=True, slots=True)
 class RenderedPrompt:
     ids: tuple[int, ...]
@@ -118,18 +133,22 @@ def render_conversation(
     conversation: Conversation,
     stops: StopOptions,
     params: ConversationParams = ConversationParams(),
+    *,
+    tools_by_grammar: bool = False,
 ) -> RenderedPrompt:
     """Render the conversation through the chat template and tokenize it.
+
+    A required tool call is forced by a prefix appended to the prompt,
+    unless ``tools_by_grammar``: then the caller constrains the reply with
+    a grammar instead (``sluiceway.surfaces.structured``).
 
     Blocking (template rendering and tokenization): run it in a worker thread.
     """
     parse_tools, forced = _tool_mode(serving, conversation, params)
-    render = _renderer(serving, conversation, params)
-    flags = (conversation.add_generation_prompt, conversation.continue_final_message)
-    rendered = render(conversation.messages, *flags)
+    rendered = _render(serving, conversation, params)
     parsers = serving.parsers
     forced_prefix = ""
-    if forced is not None and parsers.tools is not None:
+    if forced is not None and parsers.tools is not None and not tools_by_grammar:
         forced_prefix = forced_reasoning_close(parsers.reasoning, rendered.assistant_prefix)
         forced_prefix += forced_tool_prefix(parsers.tools, forced or None)
     options = TextPathOptions(
@@ -147,28 +166,32 @@ def render_conversation(
         assistant_prefix=rendered.assistant_prefix,
         forced_prefix=forced_prefix,
     )
-    exact = _exact(serving, conversation, render, forced_prefix, params)
+    exact = _exact(serving, conversation, forced_prefix, params)
     if exact is not None:
         return RenderedPrompt(exact.ids, options, exact.reused)
-    ids = serving.tokenizer.encode(rendered.text + forced_prefix)
-    return RenderedPrompt(tuple(ids), options)
+    return RenderedPrompt(tuple(_encode(serving, rendered.text + forced_prefix)), options)
+
+
+def _encode(serving: Serving, text: str) -> list[int]:
+    return serving.tokenizer.encode(_LONE_SURROGATES.sub("\ufffd", text))
 
 
 def _exact(
     serving: Serving,
     conversation: Conversation,
-    render: _ChatRenderer,
     forced_prefix: str,
     params: ConversationParams,
 ) -> ExactPrompt | None:
-    """The prompt from an assistant message's own ids (None: no message has any)."""
+    """The prompt from an assistant message's own ids (None: no message has
+    any). The splice renders the messages as they stand (no system folding:
+    its errors name messages by their index)."""
     try:
         return splice(
             conversation.messages,
             render=lambda messages, generation, continued: (
-                render(messages, generation, continued).text
+                _apply(serving, conversation, messages, params, (generation, continued)).text
             ),
-            encode=serving.tokenizer.encode,
+            encode=lambda text: _encode(serving, text),
             vocab_size=serving.vocab_size,
             add_generation_prompt=conversation.add_generation_prompt,
             continue_final_message=conversation.continue_final_message,
@@ -177,6 +200,68 @@ def _exact(
     except TurnIdsError as error:
         where = params.message_field(error.index, error.field)
         raise InvalidRequest(f"{where}: {error.reason}", param=where) from error
+
+
+def template_kwargs(serving: Serving, conversation: Conversation) -> dict[str, Any]:
+    """The chat template's variables: the server's defaults, the thinking
+    switch, then the conversation's own, each overriding the one before."""
+    switch = {} if conversation.thinking is None else {THINKING_SWITCH: conversation.thinking}
+    return {
+        **serving.default_template_kwargs,
+        **switch,
+        **(conversation.template_kwargs or {}),
+    }
+
+
+def _render(serving: Serving, conversation: Conversation, params: ConversationParams) -> ChatRender:
+    """The chat template's rendering of the conversation.
+
+    A system message after the first message is rendered where it stands
+    when the template does so (it renders, and shows the message's text);
+    otherwise -- many templates refuse a system message anywhere but first,
+    or drop it -- every system message is folded into the leading one.
+    """
+    messages = conversation.messages
+    late = [message for message in messages[1:] if message.role is Role.SYSTEM]
+    try:
+        rendered = _apply(serving, conversation, messages, params)
+    except InvalidRequest:
+        if not late:
+            raise
+    else:
+        if all(message.text.strip() in rendered.text for message in late):
+            return rendered
+    return _apply(serving, conversation, _fold_systems(messages), params)
+
+
+def _fold_systems(messages: Sequence[Message]) -> tuple[Message, ...]:
+    """The conversation with every system message's text in one leading
+    system message (joined by blank lines, in order)."""
+    systems = [message.text for message in messages if message.role is Role.SYSTEM]
+    others = tuple(message for message in messages if message.role is not Role.SYSTEM)
+    return (Message(role=Role.SYSTEM, text="\n\n".join(systems)), *others)
+
+
+def _apply(
+    serving: Serving,
+    conversation: Conversation,
+    messages: Sequence[Message],
+    params: ConversationParams,
+    flags: tuple[bool, bool] | None = None,
+) -> ChatRender:
+    """Render ``messages`` with the conversation's tools and variables;
+    ``flags``: (add_generation_prompt, continue_final_message) other than
+    the conversation's."""
+    offered = () if _mode(conversation) is ToolChoiceMode.NONE else conversation.tools
+    render = _bound(serving.tokenizer, template_kwargs(serving, conversation), offered)
+    if flags is None:
+        flags = (conversation.add_generation_prompt, conversation.continue_final_message)
+    try:
+        return render(messages, *flags)
+    except Exception as error:  # template errors are the conversation's fault
+        raise InvalidRequest(
+            f"the chat template could not render these messages: {error}", param=params.messages
+        ) from error
 
 
 #: (messages, add_generation_prompt, continue_final_message) -> the rendering.
@@ -201,24 +286,24 @@ def _bound(
     return render
 
 
-def _renderer(
-    serving: Serving, conversation: Conversation, params: ConversationParams
-) -> _ChatRenderer:
-    """The template bound to the conversation; its errors are the request's."""
-    offered = () if _mode(conversation) is ToolChoiceMode.NONE else conversation.tools
-    template_kwargs = {**serving.default_template_kwargs, **(conversation.template_kwargs or {})}
-    bound = _bound(serving.tokenizer, template_kwargs, offered)
+def template_renderer(
+    tokenizer: ModelTokenizer, template_kwargs: Mapping[str, Any], tools: Sequence[ToolSpec] = ()
+) -> Render:
+    """The chat template as the splice and the probes call it: neutral
+    messages and the two flags -> the rendered text."""
+    bound = _bound(tokenizer, template_kwargs, tools)
+    return lambda messages, generation, continued: bound(messages, generation, continued).text
 
-    def render(messages: Sequence[Message], generation_prompt: bool, continued: bool) -> ChatRender:
-        try:
-            return bound(messages, generation_prompt, continued)
-        except Exception as error:  # template errors are the conversation's fault
-            raise InvalidRequest(
-                f"the chat template could not render these messages: {error}",
-                param=params.messages,
-            ) from error
 
-    return render
+def template_probes(
+    tokenizer: ModelTokenizer, template_kwargs: Mapping[str, Any]
+) -> dict[str, bool | None]:
+    """Whether the served template is prefix-preserving for a user message
+    and a tool result after an assistant turn (``/tokenizer_info``); run
+    once at start-up. Empty when the model has no chat template."""
+    if not tokenizer.chat.source:
+        return {}
+    return prefix_preserving(template_renderer(tokenizer, template_kwargs))
 
 
 def _mode(conversation: Conversation) -> ToolChoiceMode:
@@ -288,23 +373,3 @@ def _template_tool(tool: ToolSpec) -> dict[str, Any]:
     if tool.strict is not None:
         function["strict"] = tool.strict
     return {"type": "function", "function": function}
-
-
-def template_renderer(
-    tokenizer: ModelTokenizer, template_kwargs: Mapping[str, Any], tools: Sequence[ToolSpec] = ()
-) -> Render:
-    """The chat template as the splice and the probes call it: neutral
-    messages and the two flags -> the rendered text."""
-    bound = _bound(tokenizer, template_kwargs, tools)
-    return lambda messages, generation, continued: bound(messages, generation, continued).text
-
-
-def template_probes(
-    tokenizer: ModelTokenizer, template_kwargs: Mapping[str, Any]
-) -> dict[str, bool | None]:
-    """Whether the served template is prefix-preserving for a user message
-    and a tool result after an assistant turn (``/tokenizer_info``); run
-    once at start-up. Empty when the model has no chat template."""
-    if not tokenizer.chat.source:
-        return {}
-    return prefix_preserving(template_renderer(tokenizer, template_kwargs))

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -44,10 +44,19 @@ class RunningServer:
     process: subprocess.Popen[bytes]
     log_path: Path
     engine: str = "auto"
+    #: The server's --api-key, which the helpers below then send.
+    api_key: str | None = None
+    #: Fields that make the pace stream (seconds_per_token) write text: a
+    #: scripted model needs its script chosen.
+    pace_fields: dict[str, object] = field(default_factory=dict)
 
     @property
     def api_url(self) -> str:
         return self.base_url + "/v1"
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -167,11 +176,14 @@ def seconds_per_token(server: RunningServer) -> float:
             "ignore_eos": True,
             "temperature": 0,
             "stream": True,
+            **server.pace_fields,
         }
         stamps: list[float] = []
         with (
             httpx.Client(timeout=120) as client,
-            client.stream("POST", server.base_url + "/v1/chat/completions", json=body) as reply,
+            client.stream(
+                "POST", server.base_url + "/v1/chat/completions", json=body, headers=server.auth
+            ) as reply,
         ):
             for line in reply.iter_lines():
                 if line.startswith("data: {") and '"content":' in line:
@@ -189,8 +201,8 @@ def scheduler_state(server: RunningServer) -> dict[str, int]:
 def context_room(server: RunningServer, prompt: int = 64) -> int:
     """Tokens a request with a prompt of at most ``prompt`` tokens may
     generate: leaving out ``max_tokens`` asks for all of them."""
-    card = httpx.get(f"{server.api_url}/models/{server.model}", timeout=10).json()
-    return int(card["max_model_len"]) - prompt
+    reply = httpx.get(f"{server.api_url}/models/{server.model}", headers=server.auth, timeout=10)
+    return int(reply.json()["max_model_len"]) - prompt
 
 
 def assert_freed_promptly(server: RunningServer, left: int, since: float) -> float:

@@ -105,7 +105,7 @@ def test_the_whole_reply_is_the_stream_merged() -> None:
                 ),
             )
         ),
-        Completed(usage=Usage(prompt_tokens=2, completion_tokens=4)),
+        Completed(usage=Usage(prompt_tokens=2, completion_tokens=4, cached_tokens=1)),
     ]
     reply_config = config(logprobs=True, prompt_logprobs=True, include_usage=True)
     chunks = frames(GenerateStreamEncoder(reply_config), events)
@@ -129,7 +129,12 @@ def test_the_whole_reply_is_the_stream_merged() -> None:
         ("stop", "END"),
         ("length", None),
     ]
-    assert whole["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    assert whole["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 4,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
     assert chunks[-1]["choices"] == []
     assert chunks[-1]["usage"] == whole["usage"]
     # vLLM's prompt logprobs: per position the prompt token (with its rank)

@@ -14,6 +14,7 @@ from pydantic import (
 )
 
 from sluiceway.surfaces.openai.wire import TokenLogprobWire, UsageWire
+from sluiceway.surfaces.structured import StructuredOutputs
 from sluiceway.surfaces.wire import LenientModel, StrictModel, WireModel
 
 Probability = Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
@@ -101,8 +102,26 @@ class StreamOptions(StrictModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(StrictModel):
+    """``response_format.json_schema``."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+    description: str | None = None
+    # ``schema`` would shadow a BaseModel attribute.
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    #: The output is held to the schema whatever this says.
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(LenientModel):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_where_required(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema goes with type json_schema, and only with it")
+        return self
 
 
 class SamplingFields(StrictModel):
@@ -133,6 +152,7 @@ class SamplingFields(StrictModel):
     logprob_token_ids: list[StrictInt] | None = None
     return_tokens_as_token_ids: StrictBool | None = None
     return_token_ids: StrictBool = False
+    structured_outputs: StructuredOutputs | None = None
 
 
 class ChatRequest(SamplingFields):

@@ -30,6 +30,7 @@ from sluiceway.surfaces.tokens.wire import (
     GenerateChunkChoiceWire,
     GenerateReply,
     PromptLogprobWire,
+    PromptTokensDetailsWire,
     TokenLogprobWire,
     TopLogprobWire,
     UsageWire,
@@ -110,6 +111,7 @@ def usage_wire(usage: Usage) -> UsageWire:
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
+        prompt_tokens_details=PromptTokensDetailsWire(cached_tokens=usage.cached_tokens),
     )
 
 

@@ -98,10 +98,16 @@ class PromptLogprobWire(WireModel):
 PromptLogprobs = list[dict[str, PromptLogprobWire] | None]
 
 
+class PromptTokensDetailsWire(WireModel):
+    cached_tokens: int = 0
+
+
 class UsageWire(WireModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    #: vLLM's ``UsageInfo`` field: the prompt tokens the prefix cache served.
+    prompt_tokens_details: PromptTokensDetailsWire
 
 
 class GenerateChoiceWire(WireModel):
