@@ -31,6 +31,7 @@ from sluiceway.server.runtime import LoadedModel, PipelineOptions, load_model, r
 from sluiceway.server.state import ServerState
 from sluiceway.surfaces.base import Serving, Surface, SurfaceHandler
 from sluiceway.surfaces.openai import OpenAIOptions, OpenAISurface
+from sluiceway.surfaces.responses import ResponsesSurface
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ def surfaces(config: ServerConfig) -> tuple[Surface, ...]:
                 return_tokens_as_token_ids=config.return_tokens_as_token_ids,
             )
         ),
+        ResponsesSurface(),
     )
 
 

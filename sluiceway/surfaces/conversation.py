@@ -95,6 +95,11 @@ class Conversation:
     parallel_tool_calls: bool = True
     #: Extra variables for the chat template (``enable_thinking``, say).
     template_kwargs: Mapping[str, Any] | None = None
+    #: Thinking switched on or off (a surface's effort level or thinking
+    #: setting), as the template variable ``enable_thinking`` that Qwen-style
+    #: templates read (others ignore it); None leaves the template's default.
+    #: ``template_kwargs`` still win, key by key.
+    thinking: bool | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,6 +144,7 @@ def render_conversation(
             tools=[_template_tool(tool) for tool in offered],
             template_kwargs={
                 **serving.default_template_kwargs,
+                **_thinking_kwargs(conversation.thinking),
                 **(conversation.template_kwargs or {}),
             },
         )
@@ -168,6 +174,10 @@ def render_conversation(
     )
     ids = serving.tokenizer.encode(rendered.text + forced_prefix)
     return RenderedPrompt(tuple(ids), options)
+
+
+def _thinking_kwargs(thinking: bool | None) -> dict[str, bool]:
+    return {} if thinking is None else {"enable_thinking": thinking}
 
 
 def _mode(conversation: Conversation) -> ToolChoiceMode:
