@@ -81,6 +81,8 @@ OutputItemWire = MessageWire | ReasoningWire | FunctionCallWire | CustomToolCall
 
 class InputTokensDetails(WireModel):
     cached_tokens: int = 0
+    #: Tokens written to a prompt cache (none: nothing is cached for later).
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(WireModel):

@@ -9,17 +9,14 @@ output holds it, not the call), and that selector outranks the first
 (``priority=1``). The model thus answers only if the tool's output reached
 it.
 
-The selector sits in the prompt text, not at its end, so each script's first
-piece is the last token of the generation prompt (``<|im_start|>assistant``
-and a newline): generation continues from there.
+As for the agent scripts in ``tests/e2e/scripts.py``, each script's first
+piece is the generation prompt's last token (``PROMPT_END``).
 """
 
 from __future__ import annotations
 
+from tests.e2e.scripts import PROMPT_END
 from tests.fixtures.scripted_model import Script
-
-#: The prompt's last token: generation continues after it.
-PROMPT_END = "\n"
 
 #: The marker the tool prints; it selects :data:`CODEX_DONE`.
 DONE_SELECTOR = "<|script:codex_done|>"
