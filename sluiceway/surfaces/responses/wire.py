@@ -72,6 +72,17 @@ class MediaPart(LenientModel):
 ContentPart = Annotated[InputText | Refusal | MediaPart, Field(discriminator="type")]
 
 
+def _text_or_list(value: Any) -> str:
+    return "text" if isinstance(value, str) else "list"
+
+
+#: A string, or a list of parts (errors name the part, not both shapes).
+Content = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[ContentPart], Tag("list")],
+    Discriminator(_text_or_list),
+]
+
+
 def _text_of(parts: str | list[ContentPart]) -> str | None:
     """The text of a content list; None when it holds a media part."""
     if isinstance(parts, str):
@@ -89,7 +100,7 @@ class MessageItem(LenientModel):
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[ContentPart]
+    content: Content
 
     def text(self) -> str | None:
         return _text_of(self.content)
@@ -116,7 +127,7 @@ class CallOutputItem(LenientModel):
 
     type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: StrictStr
-    output: str | list[ContentPart]
+    output: Content
 
     def text(self) -> str | None:
         return _text_of(self.output)
@@ -266,7 +277,11 @@ class StreamOptions(StrictModel):
 
 class ResponsesRequest(StrictModel):
     model: StrictStr
-    input: StrictStr | Annotated[list[InputItem], Field(min_length=1)]
+    input: Annotated[
+        Annotated[StrictStr, Tag("text")]
+        | Annotated[list[InputItem], Field(min_length=1), Tag("list")],
+        Discriminator(_text_or_list),
+    ]
     instructions: StrictStr | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
