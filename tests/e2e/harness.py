@@ -8,9 +8,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -155,10 +156,11 @@ PACE_TOKENS = 200
 _paces: dict[str, float] = {}
 
 
-def seconds_per_token(server: RunningServer) -> float:
+def seconds_per_token(server: RunningServer, pace_fields: Mapping[str, Any] | None = None) -> float:
     """How long the server takes per token of one lone greedy stream (timed
     once per server), so that a test can tell "stopped at once" from "ran to
-    the end" on any machine."""
+    the end" on any machine. ``pace_fields`` add to the timed chat request
+    (a scripted model's looping script, say, whose tokens all carry text)."""
     if server.base_url not in _paces:
         body = {
             "model": server.model,
@@ -167,6 +169,7 @@ def seconds_per_token(server: RunningServer) -> float:
             "ignore_eos": True,
             "temperature": 0,
             "stream": True,
+            **(pace_fields or {}),
         }
         stamps: list[float] = []
         with (
@@ -193,12 +196,17 @@ def context_room(server: RunningServer, prompt: int = 64) -> int:
     return int(card["max_model_len"]) - prompt
 
 
-def assert_freed_promptly(server: RunningServer, left: int, since: float) -> float:
+def assert_freed_promptly(
+    server: RunningServer,
+    left: int,
+    since: float,
+    pace_fields: Mapping[str, Any] | None = None,
+) -> float:
     """Wait until no request runs, and check that this came far sooner than
     generating the ``left`` tokens the abandoned request still had would
     take: a server that ignored the disconnect and ran to ``max_tokens``
     fails. Returns the seconds it took."""
-    would_take = left * seconds_per_token(server)
+    would_take = left * seconds_per_token(server, pace_fields)
     deadline = since + max(would_take * 1.5, 5.0)
     while True:
         state = scheduler_state(server)
