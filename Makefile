@@ -13,7 +13,7 @@ LATEST := .venv-latest
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint typecheck check-lock pytest test-latest lock lock-upgrade bench clean
+.PHONY: serve test lint typecheck check-lock pytest test-clients test-latest lock lock-upgrade bench clean
 
 # The build tools come first, from the lock, so that the editable install
 # builds without fetching unlocked ones into an isolated environment.
@@ -52,6 +52,13 @@ pytest: $(TORCH_STAMP)
 
 # pytest's exit code 5 (nothing collected) fails this target like any other.
 test: lint typecheck check-lock pytest
+
+# Only the tests that drive a real client CLI (tests/clients; `make test` runs
+# them too). Each client is installed on first use with `npm ci` from the
+# package-lock.json beside its test, so they need Node.js and the npm registry
+# once.
+test-clients: $(TORCH_STAMP)
+	$(BIN)/python -m pytest -m client $(PYTEST_ARGS)
 
 # Types and the suite on the newest releases that pyproject.toml allows, in a
 # virtualenv of their own, ignoring the lock: a registry release that breaks

@@ -167,5 +167,15 @@ async def send_whole(call: Call, jobs: Sequence[Job], accumulator: Accumulator) 
     await call.send_json(accumulator.to_json())
 
 
+def bearer_token(headers: Headers) -> str | None:
+    """The token of the first ``Authorization: Bearer`` header, if any."""
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer":
+                return token.strip()
+    return None
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

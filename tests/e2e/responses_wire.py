@@ -333,6 +333,15 @@ _DONE_FIELD = {
 }
 
 
+def without_ids(value: Any) -> Any:
+    """A reply or its items without the ids that differ between two replies."""
+    if isinstance(value, dict):
+        return {k: without_ids(v) for k, v in value.items() if k not in ("id", "call_id")}
+    if isinstance(value, list):
+        return [without_ids(v) for v in value]
+    return value
+
+
 def item_text(item: dict[str, Any]) -> str:
     """What an item's deltas add up to."""
     if item["type"] in ("message", "reasoning"):

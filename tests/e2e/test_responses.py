@@ -19,7 +19,13 @@ from tests.e2e.harness import (
     context_room,
     seconds_per_token,
 )
-from tests.e2e.responses_wire import check_response, check_stream, item_text, parse_sse
+from tests.e2e.responses_wire import (
+    check_response,
+    check_stream,
+    item_text,
+    parse_sse,
+    without_ids,
+)
 from tests.e2e.scripts import CUSTOM_INPUT
 from tests.fixtures.scripted_model import ScriptedModel
 
@@ -106,14 +112,6 @@ def stream(server: RunningServer, payload: dict[str, Any]) -> list[dict[str, Any
     events = parse_sse(response.text)
     check_stream(events)
     return events
-
-
-def without_ids(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: without_ids(v) for k, v in value.items() if k not in ("id", "call_id")}
-    if isinstance(value, list):
-        return [without_ids(v) for v in value]
-    return value
 
 
 def codex_request(server: RunningServer, scripted: ScriptedModel) -> dict[str, Any]:

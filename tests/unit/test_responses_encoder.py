@@ -33,7 +33,7 @@ from sluiceway.surfaces.responses.encoder import (
 )
 from sluiceway.surfaces.responses.reply_wire import CallDeltaEvent, TextDeltaEvent
 from sluiceway.surfaces.responses.tools import ToolRef, ToolTable
-from tests.e2e.responses_wire import check_response, check_stream, parse_sse
+from tests.e2e.responses_wire import check_response, check_stream, parse_sse, without_ids
 
 TOOLS = ToolTable(
     refs={
@@ -160,14 +160,6 @@ def numbered(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
             )
         )
     return out
-
-
-def without_ids(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: without_ids(v) for k, v in value.items() if k not in ("id", "call_id")}
-    if isinstance(value, list):
-        return [without_ids(v) for v in value]
-    return value
 
 
 def drive(deltas: list[ChoiceDelta], logprobs: bool = True) -> tuple[bytes, dict[str, Any]]:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sluiceway.protocol.errors import ApiError
-from sluiceway.surfaces.base import ErrorResponse, Headers, SurfaceHandler
+from sluiceway.surfaces.base import ErrorResponse, Headers, SurfaceHandler, bearer_token
 from sluiceway.surfaces.openai import chat, completions, models
 from sluiceway.surfaces.openai.errors import render_error
 from sluiceway.surfaces.openai.fields import OpenAIOptions
@@ -44,9 +44,4 @@ class OpenAISurface:
         return render_error(error)
 
     def credentials(self, headers: Headers) -> str | None:
-        for name, value in headers:
-            if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                if scheme.lower() == "bearer":
-                    return token.strip()
-        return None
+        return bearer_token(headers)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sluiceway.protocol.errors import ApiError
-from sluiceway.surfaces.base import ErrorResponse, Headers, SurfaceHandler
+from sluiceway.surfaces.base import ErrorResponse, Headers, SurfaceHandler, bearer_token
 from sluiceway.surfaces.responses.create import create, stored
 from sluiceway.surfaces.responses.errors import render_error
 
@@ -40,9 +40,4 @@ class ResponsesSurface:
         return render_error(error)
 
     def credentials(self, headers: Headers) -> str | None:
-        for name, value in headers:
-            if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                if scheme.lower() == "bearer":
-                    return token.strip()
-        return None
+        return bearer_token(headers)

@@ -1,5 +1,9 @@
 """The Responses API's error body: OpenAI's ``{"error": {message, type,
-param, code}}``, from the neutral typed errors."""
+param, code}}``, from the neutral typed errors.
+
+The same body as the OpenAI surface renders: a surface folder never imports
+another, so the two OpenAI surfaces each spell it.
+"""
 
 from __future__ import annotations
 
