@@ -430,3 +430,35 @@ def test_unknown_model_and_stored_responses_are_404s(scripted_server: RunningSer
         assert error["status"] == 404
         assert "stateless" in error["error"]["message"]
         assert error["error"]["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize(
+    ("effort", "thinking"), [("none", False), ("minimal", False), ("high", True)]
+)
+def test_reasoning_effort_switches_thinking_as_chat_does(
+    scripted_server: RunningServer, scripted: ScriptedModel, effort: str, thinking: bool
+) -> None:
+    """With thinking off the template closes ``<think>`` itself, so what the
+    model writes is all content, as chat gives it with ``enable_thinking``."""
+    payload = {
+        "model": scripted_server.model,
+        "messages": [{"role": "user", "content": "What now?"}],
+        "temperature": 0,
+        "chat_template_kwargs": {**scripted.chat_kwargs("reasoning"), "enable_thinking": thinking},
+    }
+    reply = httpx.post(scripted_server.api_url + "/chat/completions", json=payload, timeout=120)
+    message = reply.json()["choices"][0]["message"]
+    whole = post(
+        scripted_server,
+        body(scripted_server, scripted, "reasoning", tools=None, reasoning={"effort": effort}),
+    )
+    texts = {item["type"]: item_text(item) for item in whole["output"]}
+    assert texts == {
+        key: value
+        for key, value in [
+            ("reasoning", message.get("reasoning_content")),
+            ("message", message["content"]),
+        ]
+        if value
+    }
+    assert ("reasoning" in texts) is thinking
