@@ -192,6 +192,8 @@ class ResponsesStreamEncoder:
         self._config = config
         self._items = OutputItems(config.tools, logprobs=config.logprobs)
         self._sequence = 0
+        #: Per item (by output index): its delta frames' fixed parts.
+        self._templates: dict[int, tuple[bytes, bytes]] = {}
 
     def _frame(self, event: WireModel, event_type: str) -> bytes:
         return sse(event.to_json(), event=event_type)
@@ -270,31 +272,24 @@ class ResponsesStreamEncoder:
         return frames
 
     def _text_frame(self, event: TextAdded) -> bytes:
-        """A delta event, framed from a template (most events of a stream)."""
+        """A delta event, framed from its item's template (most events of a
+        stream are these; the models frame them several times slower)."""
         item = event.item
         if item.kind is ItemKind.CUSTOM_TOOL_CALL:
             return b""  # its input goes out whole when the call ends
-        event_type, content_index, logprobs = _DELTAS[item.kind], b"", b""
-        if item.kind in (ItemKind.MESSAGE, ItemKind.REASONING):
-            content_index = b',"content_index":0'
+        template = self._templates.get(item.index)
+        if template is None:
+            template = self._templates[item.index] = _delta_template(item)
+        head, middle = template
+        parts = [head, str(self._next()).encode(), middle, json_string(event.text)]
         if item.kind is ItemKind.MESSAGE:
-            logprobs = b',"logprobs":' + _LOGPROBS.dump_json(logprobs_wire(event.entries))
-        payload = (
-            b'{"type":"'
-            + event_type
-            + b'","sequence_number":'
-            + str(self._next()).encode()
-            + b',"item_id":"'
-            + item.id.encode()
-            + b'","output_index":'
-            + str(item.index).encode()
-            + content_index
-            + b',"delta":'
-            + json_string(event.text)
-            + logprobs
-            + b"}"
-        )
-        return b"event: " + event_type + b"\ndata: " + payload + b"\n\n"
+            entries = event.entries
+            parts += (
+                b',"logprobs":',
+                _LOGPROBS.dump_json(logprobs_wire(entries)) if entries else b"[]",
+            )
+        parts.append(b"}\n\n")
+        return b"".join(parts)
 
     def _done_frames(self, item: OutputItem) -> bytes:
         frames = b""
@@ -355,6 +350,17 @@ _DELTAS = {
     ItemKind.REASONING: b"response.reasoning_text.delta",
     ItemKind.FUNCTION_CALL: b"response.function_call_arguments.delta",
 }
+
+
+def _delta_template(item: OutputItem) -> tuple[bytes, bytes]:
+    """What a delta frame of this item holds around its sequence number and
+    text: the fields of ``TextDeltaEvent`` / ``CallDeltaEvent``, in order."""
+    event_type = _DELTAS[item.kind]
+    head = b"event: " + event_type + b'\ndata: {"type":"' + event_type + b'","sequence_number":'
+    middle = b',"item_id":' + json_string(item.id) + b',"output_index":' + str(item.index).encode()
+    if item.kind is not ItemKind.FUNCTION_CALL:
+        middle += b',"content_index":0'
+    return head, middle + b',"delta":'
 
 
 class ResponsesAccumulator:
