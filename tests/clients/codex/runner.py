@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,8 @@ def run_codex(codex: Path, server: RunningServer, root: Path, prompt: str) -> di
     (codex_home / "config.toml").write_text(
         CONFIG.format(model=server.model, base_url=server.api_url)
     )
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "CODEX_HOME": str(codex_home)}
+    # Only what it needs: the caller's PATH (node, bash), a home of its own.
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(codex_home)}
     finished = subprocess.run(
         [str(codex), "exec", "--skip-git-repo-check", prompt],
         cwd=work,
