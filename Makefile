@@ -13,7 +13,7 @@ LATEST := .venv-latest
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint typecheck check-lock pytest test-clients test-latest lock lock-upgrade bench clean
+.PHONY: serve test lint typecheck check-lock browser pytest test-clients test-latest lock lock-upgrade bench clean
 
 # The build tools come first, from the lock, so that the editable install
 # builds without fetching unlocked ones into an isolated environment.
@@ -47,7 +47,18 @@ typecheck: $(TORCH_STAMP)
 check-lock: $(TORCH_STAMP)
 	$(BIN)/python scripts/check_lock.py $(LOCK)
 
-pytest: $(TORCH_STAMP)
+# The playground's browser tests drive Debian's chromium (through playwright,
+# never `playwright install`): installed here when it is missing and apt-get
+# can (as root). Without it those tests skip, except under CI=true, where
+# they fail.
+CHROMIUM := /usr/bin/chromium
+
+browser:
+	@if [ ! -x $(CHROMIUM) ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; \
+	fi
+
+pytest: $(TORCH_STAMP) browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # pytest's exit code 5 (nothing collected) fails this target like any other.
@@ -74,6 +85,7 @@ test-latest: $(STAMP)
 	$(LATEST)/bin/python -m pip list --disable-pip-version-check --format=freeze > $(LATEST)/installed.txt
 	-$(BIN)/python scripts/check_lock.py $(LOCK) --python $(LATEST)/bin/python
 	cd $(CURDIR) && $(LATEST)/bin/mypy
+	$(MAKE) browser
 	$(LATEST)/bin/python -m pytest $(PYTEST_ARGS)
 
 # Regenerate the lock after a change to pyproject.toml or lock.in, keeping

@@ -30,6 +30,7 @@ from sluiceway.protocol.messages import (
     Failed,
     FinishCause,
     LogprobEntry,
+    PromptCached,
     PromptLogprobs,
     PromptScores,
     RequestFailed,
@@ -200,6 +201,7 @@ class RequestOutputs:
             )
             for i in range(config.n)
         ]
+        self._cached_tokens = 0
         self.ended = False
 
     def handle(self, message: RequestOutput) -> list[EmitterEvent]:
@@ -209,6 +211,9 @@ class RequestOutputs:
             return self._step(message)
         if isinstance(message, PromptScores):
             return [_prompt_logprobs(message, self._config, self._entries)]
+        if isinstance(message, PromptCached):
+            self._cached_tokens = message.tokens
+            return []
         if isinstance(message, RequestFailed):
             self.ended = True  # no usage follows a failure
             return [Failed(message=message.message)]
@@ -220,7 +225,9 @@ class RequestOutputs:
             return []
         self.ended = True
         leftovers = [delta for choice in self._choices for delta in choice.abandon()]
-        usage = Completed(usage=_usage(self._choices, len(self._config.prompt_ids)))
+        usage = Completed(
+            usage=_usage(self._choices, len(self._config.prompt_ids), self._cached_tokens)
+        )
         return [Deltas(deltas=tuple(leftovers)), usage] if leftovers else [usage]
 
     def _step(self, message: StepOutput) -> list[EmitterEvent]:
@@ -252,11 +259,12 @@ async def run(
                 await put(send, event)
 
 
-def _usage(choices: list[ChoiceOutput], prompt_tokens: int) -> Usage:
+def _usage(choices: list[ChoiceOutput], prompt_tokens: int, cached_tokens: int) -> Usage:
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=sum(c.pipeline.tokens_fed for c in choices),
         reasoning_tokens=sum(c.pipeline.channel_counts()[Channel.REASONING] for c in choices),
+        cached_tokens=cached_tokens,
     )
 
 

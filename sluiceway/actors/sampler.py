@@ -3,6 +3,11 @@
 When a row asked for logprobs and a reducer is wired after us, the logits
 (and, in ``processed`` mode, the distribution actually sampled from) travel on
 with the ids; otherwise they are dropped here.
+
+Constrained rows need a grammar mask per token. Once a step is sampled, the
+next masks are computed in a worker thread while the step travels back to the
+scheduler and the engine runs the next forward pass; the next step waits for
+them only if they are not ready by then.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from sluiceway.actors.sampling import Sampler
+from sluiceway.engines.grammar import GrammarEngine
 from sluiceway.protocol.messages import LogitsStep, SampledStep
 
 
@@ -22,6 +28,8 @@ class SamplerConfig:
     forward_logits: bool = True
     #: Forward the processed distribution instead of the raw one.
     processed_logprobs: bool = False
+    #: Masks constrained rows; without one, a constrained request fails.
+    grammars: GrammarEngine | None = None
 
 
 def sample_step(sampler: Sampler, step: LogitsStep, config: SamplerConfig) -> SampledStep:
@@ -35,6 +43,7 @@ def sample_step(sampler: Sampler, step: LogitsStep, config: SamplerConfig) -> Sa
         token_ids=tuple(result.token_ids.tolist()),
         logits=step.logits if wants and not config.processed_logprobs else None,
         processed=result.processed if wants else None,
+        constraints=result.constraints,
     )
 
 
@@ -48,11 +57,25 @@ async def run(
     send: ObjectSendStream[SampledStep],
     config: SamplerConfig,
 ) -> None:
-    sampler = Sampler()
-    async with receive, send:
+    sampler = Sampler(config.grammars)
+    async with receive, send, anyio.create_task_group() as group:
+        masks: anyio.Event | None = None
         async for step in receive:
+            if masks is not None:
+                await masks.wait()  # the sampler's state is not shared with that thread
+                masks = None
             if _is_cheap(step):
                 sampled = sample_step(sampler, step, config)
             else:
                 sampled = await anyio.to_thread.run_sync(sample_step, sampler, step, config)
+            if sampler.masks_due():
+                masks = anyio.Event()
+                group.start_soon(_prepare_masks, sampler, masks)
             await send.send(sampled)
+
+
+async def _prepare_masks(sampler: Sampler, done: anyio.Event) -> None:
+    try:
+        await anyio.to_thread.run_sync(sampler.prepare_masks)
+    finally:
+        done.set()

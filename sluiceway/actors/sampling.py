@@ -5,6 +5,13 @@ request's samples do not depend on what it is batched with: a row draws one
 uniform number per step from a generator seeded by ``(seed, choice)`` and
 picks its token by inverting the cumulative distribution. Greedy rows never
 touch the generator.
+
+A row with a constraint is masked first (:mod:`sluiceway.actors.guide`):
+every token its grammar does not allow gets ``-inf`` before bias, penalties
+and the filters, so whatever the row's parameters, the token it picks keeps
+the output inside the grammar. Where ``min_tokens`` would suppress the only
+tokens the grammar allows (EOS, once the grammar is complete), the grammar
+wins.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from sluiceway.protocol.messages import Row, SamplingParams
+from sluiceway.actors.guide import GuideState, RowGuide
+from sluiceway.engines.grammar import GrammarEngine, GrammarError
+from sluiceway.protocol.messages import ConstraintReport, Row, SamplingParams
 
 FloatArray = npt.NDArray[np.float32]
 
@@ -31,6 +40,7 @@ class RowState:
     rng: np.random.Generator
     counts: dict[int, int] = field(default_factory=dict)
     prompt_ids: npt.NDArray[np.int64] | None = None
+    guide: RowGuide | None = None
 
 
 def row_generator(params: SamplingParams, choice: int) -> np.random.Generator:
@@ -42,13 +52,15 @@ def row_generator(params: SamplingParams, choice: int) -> np.random.Generator:
 class SampleResult:
     token_ids: npt.NDArray[np.int64]
     processed: FloatArray | None
+    constraints: ConstraintReport | None = None
 
 
 class Sampler:
     """Per-row state plus the vectorised sampling step."""
 
-    def __init__(self) -> None:
+    def __init__(self, grammars: GrammarEngine | None = None) -> None:
         self._states: dict[tuple[str, int], RowState] = {}
+        self._grammars = grammars
 
     def __len__(self) -> int:
         return len(self._states)
@@ -62,24 +74,57 @@ class Sampler:
     ) -> SampleResult:
         """Pick one token per row."""
         states = self._sync_states(rows)
-        plain = all(r.sampling.greedy and not _adjusts(r.sampling) and not r.suppress for r in rows)
+        plain = all(
+            r.sampling.greedy and not _adjusts(r.sampling) and not r.suppress and s.guide is None
+            for r, s in zip(rows, states, strict=True)
+        )
         if plain:
             token_ids = logits.argmax(axis=-1).astype(np.int64)
             self._record(states, token_ids)
             return SampleResult(token_ids, logits if keep_processed else None)
+        self.prepare_masks()
         processed = np.array(logits, dtype=np.float32, copy=True)
         token_ids = np.empty(len(rows), dtype=np.int64)
         for i, (row, state) in enumerate(zip(rows, states, strict=True)):
             x = processed[i]
+            if state.guide is not None:
+                state.guide.apply(x)
             _adjust(x, row.sampling, state)
             if row.suppress:
-                x[np.asarray(row.suppress, dtype=np.int64)] = -np.inf
+                _suppress(x, row.suppress, guided=state.guide is not None)
             if row.sampling.greedy:
                 token_ids[i] = int(x.argmax())
             else:
                 token_ids[i] = _draw(x, row.sampling, state.rng)
         self._record(states, token_ids)
-        return SampleResult(token_ids, processed if keep_processed else None)
+        return SampleResult(
+            token_ids, processed if keep_processed else None, _advance_guides(states, token_ids)
+        )
+
+    def prepare_masks(self) -> None:
+        """Compute the mask of every constrained row that needs one for its
+        next token (blocking, the GIL released; the sampler actor runs it
+        while the engine computes the next step)."""
+        if self._grammars is None:
+            return
+        waiting = [
+            (state.guide, matcher)
+            for state in self._states.values()
+            if state.guide is not None and (matcher := state.guide.wants_mask()) is not None
+        ]
+        if not waiting:
+            return
+        masks = self._grammars.new_masks(len(waiting))
+        self._grammars.fill_masks([matcher for _, matcher in waiting], masks)
+        for (guide, _), mask in zip(waiting, masks, strict=True):
+            guide.take_mask(mask)
+
+    def masks_due(self) -> bool:
+        """Whether a constrained row waits for its next mask."""
+        return any(
+            state.guide is not None and state.guide.wants_mask() is not None
+            for state in self._states.values()
+        )
 
     def _sync_states(self, rows: Sequence[Row]) -> list[RowState]:
         # Every running row is in every step, so a row missing from this step
@@ -94,14 +139,62 @@ class Sampler:
                 state = RowState(rng=row_generator(row.sampling, row.choice))
                 if row.sampling.repetition_penalty != 1.0:
                     state.prompt_ids = np.unique(np.asarray(row.prompt_ids, dtype=np.int64))
+                if row.constraint is not None:
+                    state.guide = self._guide(row)
                 self._states[row.key] = state
             states.append(state)
         return states
+
+    def _guide(self, row: Row) -> RowGuide:
+        constraint = row.constraint
+        assert constraint is not None
+        if self._grammars is None:
+            return RowGuide.failed("this server runs no grammar engine")
+        try:
+            grammar = self._grammars.compile(constraint)
+        except GrammarError as error:
+            return RowGuide.failed(str(error))
+        return RowGuide.start(grammar.matcher(), constraint.reasoning, self._grammars.eos_ids)
 
     @staticmethod
     def _record(states: Sequence[RowState], token_ids: npt.NDArray[np.int64]) -> None:
         for state, token in zip(states, token_ids.tolist(), strict=True):
             state.counts[token] = state.counts.get(token, 0) + 1
+
+
+def _advance_guides(
+    states: Sequence[RowState], token_ids: npt.NDArray[np.int64]
+) -> ConstraintReport | None:
+    """Feed each constrained row its token; report the rows that completed or failed."""
+    complete: set[int] = set()
+    failed: list[tuple[int, str]] = []
+    guided = False
+    for i, (state, token) in enumerate(zip(states, token_ids.tolist(), strict=True)):
+        guide = state.guide
+        if guide is None:
+            continue
+        guided = True
+        if guide.state is not GuideState.FAILED:
+            guide.advance(token)
+        if guide.state is GuideState.FAILED:
+            failed.append((i, guide.error))
+        elif guide.state is GuideState.COMPLETE:
+            complete.add(i)
+    if not guided:
+        return None
+    return ConstraintReport(complete=frozenset(complete), failed=tuple(failed))
+
+
+def _suppress(x: FloatArray, ids: tuple[int, ...], *, guided: bool) -> None:
+    """Suppress ``ids`` (before ``min_tokens``), unless a grammar allows nothing else."""
+    index = np.asarray(ids, dtype=np.int64)
+    if not guided:
+        x[index] = -np.inf
+        return
+    kept = x[index].copy()
+    x[index] = -np.inf
+    if x.max() == -np.inf:
+        x[index] = kept
 
 
 def _adjusts(params: SamplingParams) -> bool:

@@ -13,6 +13,12 @@ engine-thread call (``engine_work.execute``, through
   running streams for more than one chunk;
 - decode every running row in one batched call.
 
+With the prefix cache on (``sluiceway.actors.prefix_cache``), an admitted
+request first takes the longest cached prefix of its prompt (copied into its
+slot in the step of its first chunk) and prefills only the rest; each chunk
+it prefills, and each row that finishes, is kept in the cache for later
+requests.
+
 The logits of rows whose prompt just completed and of the decoded rows go to
 the sampler as one step; the sampled ids come back (through the logprob
 reducer when it is wired) and are fanned out to each request's output
@@ -43,16 +49,19 @@ from sluiceway.actors.engine_work import (
     StepOutcome,
     StepPlan,
 )
+from sluiceway.actors.prefix_cache import Hold, PrefixCacheStats, PrefixIndex
 from sluiceway.actors.run_ahead import SteppingThread
-from sluiceway.engines.base import Engine
+from sluiceway.engines.base import Engine, EngineInfo, KeepKV
 from sluiceway.protocol.errors import Overloaded
 from sluiceway.protocol.messages import (
     Cancel,
+    ConstraintReport,
     FinishCause,
     FinishChoice,
     GenerationRequest,
     LogitsStep,
     Outbox,
+    PromptCached,
     PromptScores,
     RequestFailed,
     RequestOutput,
@@ -75,6 +84,8 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_queued_requests: int = 256
     prefill_chunk_tokens: int = 2048
+    #: What the prefix cache may hold, in bytes; 0 turns it off.
+    prefix_cache_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -85,6 +96,8 @@ class _Choice:
     generated: int = 0
     last_token: int = -1
     row: Row | None = None
+    #: Every token sampled, with the prefix cache on (to key the row's KV).
+    tokens: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -95,6 +108,11 @@ class _Request:
     slots: tuple[int, ...] = ()
     prefilled: int = 0
     scores: list[TokenLogprob | None] | None = None
+    #: The prefix-cache path that holds the prompt's first tokens.
+    hold: Hold | None = None
+    #: Prompt tokens restored from the cache, and the entries to restore them from.
+    cached: int = 0
+    restore: tuple[int, ...] = ()
 
     @property
     def spec(self) -> GenerationRequest:
@@ -115,6 +133,8 @@ class SchedulerHandle:
         self.running_rows = 0
         #: Rows not reserved by a running or prefilling request, as of the last step.
         self.free_rows = config.max_num_seqs
+        #: The prefix cache's counters, when it is on.
+        self.prefix_cache: PrefixCacheStats | None = None
 
     def submit(self, request: GenerationRequest, output: Outbox[RequestOutput]) -> None:
         # Requests that free rows will take at once do not count as waiting.
@@ -173,6 +193,9 @@ class Scheduler:
         self._to_free: list[int] = []
         self._next_slot = 0
         self._step = 0
+        self._prefix = _prefix_index(config, engine.info)
+        if self._prefix is not None:
+            handle.prefix_cache = self._prefix.stats
 
     async def run(
         self,
@@ -237,7 +260,7 @@ class Scheduler:
         if isinstance(command, Cancel):
             self._close(request)
         elif (choice := request.choices.get(command.choice)) is not None:
-            self._drop_choice(request, choice)
+            self._drop_choice(request, choice, keep=True)
 
     # --- planning -----------------------------------------------------------
 
@@ -247,7 +270,9 @@ class Scheduler:
         return plan, self._start_step(plan)
 
     def _busy(self) -> bool:
-        return bool(self._rows or self._prefilling or self._to_free) or self._can_admit()
+        if self._rows or self._prefilling or self._to_free or self._can_admit():
+            return True
+        return self._prefix is not None and self._prefix.has_ops
 
     def _reserved_rows(self) -> int:
         return len(self._rows) + sum(r.spec.n for r in self._prefilling)
@@ -275,19 +300,36 @@ class Scheduler:
         decoding = [c for c in self._rows.values() if c.generated > 0]
         decode = {c.slot: c.last_token for c in decoding}
         frees = self._take_frees()
-        if not (frees or prefills or decode):
+        # Taken last: keeping the chunks above may have evicted entries.
+        cache_ops = self._prefix.take_ops() if self._prefix is not None else ()
+        if not (cache_ops or frees or prefills or decode):
             return None
         starting = [self._requests[w.request_id] for w in prefills if w.final]
         greedy = all(self._row(c).plain for c in decoding) and all(
             _starts_plain(r.spec) for r in starting
         )
-        return StepPlan(frees=frees, prefills=tuple(prefills), decode=decode, greedy=greedy)
+        return StepPlan(
+            cache_ops=cache_ops,
+            frees=frees,
+            prefills=tuple(prefills),
+            decode=decode,
+            greedy=greedy,
+        )
 
     def _admit(self, request: _Request) -> _Request:
         self._handle.queued -= 1
-        request.slots = tuple(self._new_slot() for _ in range(request.spec.n))
-        if request.spec.logprobs.prompt_top is not None:
+        spec = request.spec
+        request.slots = tuple(self._new_slot() for _ in range(spec.n))
+        if spec.logprobs.prompt_top is not None:
             request.scores = [None]
+        if self._prefix is not None:
+            # The last prompt token is always prefilled: its logits pick the
+            # first token. A request for prompt logprobs reuses nothing, so
+            # that every position is scored; its prompt is still kept.
+            reuse = 0 if request.scores is not None else len(spec.prompt_ids) - 1
+            hold = request.hold = self._prefix.lookup(spec.prompt_ids, reuse)
+            request.prefilled = request.cached = hold.length
+            request.restore = hold.entries if hold.length else ()
         self._prefilling.append(request)
         return request
 
@@ -298,6 +340,7 @@ class Scheduler:
         request.prefilled = end
         final = end == len(prompt)
         top = request.spec.logprobs.prompt_top
+        restore, request.restore = request.restore, ()
         return PrefillWork(
             request_id=request.spec.request_id,
             slot=request.slots[0],
@@ -306,12 +349,36 @@ class Scheduler:
             top=top,
             targets=prompt[start + 1 : end + 1] if top is not None else (),
             forks=request.slots[1:] if final else (),
+            restore=restore,
+            restore_length=start if restore else 0,
+            keep=self._keep_chunk(request, end),
         )
+
+    def _keep_chunk(self, request: _Request, end: int) -> KeepKV | None:
+        """Room in the prefix cache for the prompt up to ``end``, beyond what it holds."""
+        hold = request.hold
+        if self._prefix is None or hold is None:
+            return None
+        entry = self._prefix.reserve(hold, request.spec.prompt_ids[:end])
+        if entry is None:
+            return None
+        return KeepKV(entry=entry, slot=request.slots[0], start=hold.length, end=end)
+
+    def _keep_row(self, request: _Request, choice: _Choice) -> None:
+        """Keep a finished row's generated tokens (with the prompt's end, if
+        that was not kept): a next turn that sends them back reuses them."""
+        if self._prefix is None or request.hold is None or not choice.tokens:
+            return
+        # The last sampled token was never fed back, so the row has no KV for it.
+        path = request.spec.prompt_ids + tuple(choice.tokens[:-1])
+        self._prefix.keep_row(request.hold, path, choice.slot)
 
     # --- after the engine ---------------------------------------------------
 
     def _absorb(self, plan: StepPlan, outcome: StepOutcome) -> _Batch:
         """Bring the step's results in; return the rows to sample, with logits."""
+        if self._prefix is not None:
+            self._settle_cache(self._prefix, plan, outcome)
         rows = _Batch()
         for work, result in zip(plan.prefills, outcome.prefills, strict=True):
             request = self._requests.get(work.request_id)
@@ -340,14 +407,43 @@ class Scheduler:
             rows.add([self._rows[slots[i]] for i in kept], logits, greedy)
         return rows
 
+    def _settle_cache(self, prefix: PrefixIndex, plan: StepPlan, outcome: StepOutcome) -> None:
+        """Link what the engine kept into the prefix cache's tree."""
+        if outcome.cache_error is not None:
+            logger.error("%s; the prefix cache starts afresh", outcome.cache_error)
+            prefix.reset()
+        for op in plan.cache_ops:
+            if isinstance(op, KeepKV) and (hold := prefix.kept(op.entry, ok=True)) is not None:
+                prefix.release(hold)  # a finished row's: nobody goes on with it
+        for work, result in zip(plan.prefills, outcome.prefills, strict=True):
+            if work.keep is None:
+                continue
+            hold = prefix.kept(work.keep.entry, ok=result.kept)
+            request = self._requests.get(work.request_id)
+            if hold is None:
+                continue
+            if request is None or request.hold is None:
+                prefix.release(hold)
+                continue
+            prefix.release(request.hold)
+            request.hold = hold
+
     def _start_choices(self, request: _Request) -> list[_Choice]:
         self._prefilling.remove(request)
+        if request.cached:
+            self._deliver(request, PromptCached(tokens=request.cached))
         if request.scores is not None:
             self._deliver(request, PromptScores(entries=tuple(request.scores)))
             request.scores = None
+        if request.spec.request_id not in self._requests:  # the client went away
+            self._to_free += request.slots
+            return []
         started = []
+        keep_tokens = self._prefix is not None
         for index, slot in enumerate(request.slots):
-            choice = _Choice(request=request, index=index, slot=slot)
+            choice = _Choice(
+                request=request, index=index, slot=slot, tokens=[] if keep_tokens else None
+            )
             request.choices[index] = choice
             self._rows[slot] = choice
             started.append(choice)
@@ -369,7 +465,18 @@ class Scheduler:
         )
         await to_sampler.send(step)
         sampled = await from_sampler.receive()
-        self._deliver_samples(self._decide(rows.choices, sampled.token_ids, sampled.logprobs))
+        if sampled.constraints is not None:
+            self._fail_constrained(rows.choices, sampled.constraints)
+        self._deliver_samples(
+            self._decide(rows.choices, sampled.token_ids, sampled.logprobs, sampled.constraints)
+        )
+
+    def _fail_constrained(self, choices: list[_Choice], report: ConstraintReport) -> None:
+        """End the requests whose grammar failed; ``_decide`` drops their rows' tokens."""
+        for index, message in report.failed:
+            request = choices[index].request
+            if request.spec.request_id in self._requests:
+                self._fail(request, message)
 
     def _row(self, choice: _Choice) -> Row:
         spec = choice.request.spec
@@ -389,6 +496,7 @@ class Scheduler:
                 prompt_ids=spec.prompt_ids,
                 first=first,
                 suppress=suppress,
+                constraint=spec.constraint,
             )
         return row
 
@@ -397,21 +505,27 @@ class Scheduler:
         rows: list[_Choice],
         token_ids: Sequence[int],
         logprobs: Sequence[TokenLogprob | None] | None,
+        constraints: ConstraintReport | None = None,
     ) -> dict[str, list[TokenSample]]:
         """Take one step's tokens in: advance each row, end the rows that finished."""
         per_request: dict[str, list[TokenSample]] = {}
         scores = logprobs or (None,) * len(rows)
-        for choice, token, logprob in zip(rows, token_ids, scores, strict=True):
+        complete = constraints.complete if constraints is not None else frozenset()
+        for index, (choice, token, logprob) in enumerate(zip(rows, token_ids, scores, strict=True)):
+            if choice.request.spec.request_id not in self._requests:
+                continue  # failed in this step
             token = int(token)
             choice.generated += 1
             choice.last_token = token
-            finish = self._finish_cause(choice, token)
+            if choice.tokens is not None:
+                choice.tokens.append(token)
+            finish = self._finish_cause(choice, token, grammar_complete=index in complete)
             sample = TokenSample(
                 choice=choice.index, token_id=token, logprob=logprob, finish=finish
             )
             per_request.setdefault(choice.request.spec.request_id, []).append(sample)
             if finish is not None:
-                self._drop_choice(choice.request, choice, close=False)
+                self._drop_choice(choice.request, choice, close=False, keep=True)
         return per_request
 
     def _deliver_samples(self, per_request: dict[str, list[TokenSample]]) -> None:
@@ -423,14 +537,19 @@ class Scheduler:
             if not request.choices:
                 self._close(request)
 
-    def _finish_cause(self, choice: _Choice, token: int) -> FinishCause | None:
+    def _finish_cause(
+        self, choice: _Choice, token: int, *, grammar_complete: bool = False
+    ) -> FinishCause | None:
         # Before min_tokens the sampler cannot pick EOS or a stop token (they
-        # are suppressed in its row), so these checks need no min_tokens test.
+        # are suppressed in its row), so these checks need no min_tokens test;
+        # a grammar that allows only EOS overrides min_tokens.
         limits = choice.request.spec.limits
         if token in self._config.eos_ids and not limits.ignore_eos:
             return FinishCause.EOS
         if token in limits.stop_token_ids:
             return FinishCause.STOP_TOKEN
+        if grammar_complete:
+            return FinishCause.GRAMMAR
         if choice.generated >= limits.max_tokens:
             return FinishCause.MAX_TOKENS
         return None
@@ -449,9 +568,14 @@ class Scheduler:
             logger.error("output channel of %s is full; dropping it", request.spec.request_id)
             self._close(request)
 
-    def _drop_choice(self, request: _Request, choice: _Choice, *, close: bool = True) -> None:
+    def _drop_choice(
+        self, request: _Request, choice: _Choice, *, close: bool = True, keep: bool = False
+    ) -> None:
+        """``keep``: the row ended normally, and its KV goes to the prefix cache."""
         request.choices.pop(choice.index, None)
         if self._rows.pop(choice.slot, None) is not None:
+            if keep:
+                self._keep_row(request, choice)
             self._to_free.append(choice.slot)
         if close and not request.choices:
             self._close(request)
@@ -467,6 +591,9 @@ class Scheduler:
         if request in self._prefilling:
             self._prefilling.remove(request)
             self._to_free += request.slots
+        if request.hold is not None and self._prefix is not None:
+            self._prefix.release(request.hold)
+            request.hold = None
         request.submit.output.close()
 
     def _fail(self, request: _Request, message: str) -> None:
@@ -516,7 +643,15 @@ class _Batch:
         return self.blocks[0] if len(self.blocks) == 1 else np.concatenate(self.blocks)
 
 
+def _prefix_index(config: SchedulerConfig, info: EngineInfo) -> PrefixIndex | None:
+    if config.prefix_cache_bytes <= 0 or info.kv_bytes_per_token <= 0:
+        return None
+    return PrefixIndex(
+        budget_bytes=config.prefix_cache_bytes, bytes_per_token=info.kv_bytes_per_token
+    )
+
+
 def _starts_plain(spec: GenerationRequest) -> bool:
     """Whether a request's first token is a plain argmax (``Row.plain``; with
     ``min_tokens`` its first row suppresses EOS)."""
-    return is_argmax(spec.sampling, spec.logprobs) and spec.limits.min_tokens == 0
+    return is_argmax(spec.sampling, spec.logprobs, spec.constraint) and spec.limits.min_tokens == 0

@@ -208,6 +208,11 @@ class ModelTokenizer:
         ids: list[int] = self.hf.encode(text, add_special_tokens=True)
         return ids
 
+    def single_token(self, text: str) -> int | None:
+        """The id of ``text`` when it encodes to exactly one token."""
+        ids = self.encode(text)
+        return ids[0] if len(ids) == 1 else None
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.table.decode(ids)
 

@@ -36,6 +36,7 @@ from sluiceway.parsers.stages import (
     SpanStage,
     spans_of,
 )
+from sluiceway.protocol.constraints import ReasoningGate
 
 OPEN_TAG = "<think>"
 CLOSE_TAG = "</think>"
@@ -72,6 +73,38 @@ class ReasoningDialect:
 
 QWEN3 = ReasoningDialect(name="qwen3", starts_in_reasoning=False)
 DEEPSEEK_R1 = ReasoningDialect(name="deepseek_r1", starts_in_reasoning=True)
+
+
+DIALECTS: MappingProxyType[str, ReasoningDialect] = MappingProxyType(
+    {QWEN3.name: QWEN3, DEEPSEEK_R1.name: DEEPSEEK_R1}
+)
+
+
+class UnsupportedGateError(ValueError):
+    """A constraint cannot wait out reasoning whose closing tag is not one token."""
+
+
+def reasoning_gate(
+    dialect: ReasoningDialect, assistant_prefix: str, token_id: Callable[[str], int | None]
+) -> ReasoningGate | None:
+    """Where a constraint starts, for output that follows ``assistant_prefix``.
+
+    ``None`` when the output starts after any reasoning (the prompt closed
+    it); otherwise the constraint waits for the token that closes reasoning.
+    ``token_id`` gives a text's token id when it is exactly one token.
+    """
+    state = primed_state(assistant_prefix)
+    if state in (ReasoningState.CLOSED, ReasoningState.CONTENT):
+        return None
+    end_id = token_id(CLOSE_TAG)
+    if end_id is None:
+        raise UnsupportedGateError(
+            f"{CLOSE_TAG} is not one token of this model, so a constraint cannot start after it"
+        )
+    if state is ReasoningState.REASONING or dialect.starts_in_reasoning:
+        return ReasoningGate(end_id=end_id, inside=True)
+    start_id = token_id(OPEN_TAG)
+    return None if start_id is None else ReasoningGate(end_id=end_id, start_id=start_id)
 
 
 def primed_state(prefix: str) -> ReasoningState:

@@ -49,6 +49,11 @@ class InvalidRequest(ClientError):
     """Malformed JSON, a missing or mistyped field, or an out-of-range value."""
 
 
+class InvalidConstraint(InvalidRequest):
+    """A schema, regex or grammar the grammar engine cannot compile (or not
+    within the time limit); the message is the engine's."""
+
+
 class AuthenticationFailed(ClientError):
     status = 401
     kind = ErrorKind.AUTHENTICATION

@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from sluiceway.protocol.constraints import Constraint
+
 # Actor messages carry engine arrays (NumPy float32) without copying them.
 Array = Any
 
@@ -74,6 +76,8 @@ class FinishCause(enum.Enum):
     MAX_TOKENS = "max_tokens"
     #: The request ended before the choice did (the scheduler cut it off).
     CANCELLED = "cancelled"
+    #: The constraint's grammar is complete and admits no further token.
+    GRAMMAR = "grammar"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,6 +90,8 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     logprobs: LogprobParams = field(default_factory=LogprobParams)
     limits: Limits
+    #: What every choice's output must match (compiled by the grammar engine).
+    constraint: Constraint | None = None
 
 
 # --- server -> scheduler ---------------------------------------------------
@@ -140,6 +146,7 @@ class Row:
     first: bool
     #: Ids this row may not pick now (EOS and stop tokens before min_tokens).
     suppress: tuple[int, ...] = ()
+    constraint: Constraint | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -148,13 +155,18 @@ class Row:
     @property
     def plain(self) -> bool:
         """Greedy with nothing to adjust and no logprobs: an argmax."""
-        return is_argmax(self.sampling, self.logprobs) and not self.suppress
+        return is_argmax(self.sampling, self.logprobs, self.constraint) and not self.suppress
 
 
-def is_argmax(sampling: SamplingParams, logprobs: LogprobParams) -> bool:
-    """Greedy, with no bias or penalties to apply and no logprobs to keep."""
+def is_argmax(
+    sampling: SamplingParams, logprobs: LogprobParams, constraint: Constraint | None
+) -> bool:
+    """Greedy, with no bias, penalties or grammar mask to apply and no
+    logprobs to keep. A constrained row is never one: the engine's argmax
+    (and decoding ahead on it) would ignore what the grammar allows."""
     return (
-        sampling.greedy
+        constraint is None
+        and sampling.greedy
         and not sampling.logit_bias
         and not sampling.penalised
         and not logprobs.per_token
@@ -180,6 +192,16 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ConstraintReport:
+    """What the constrained rows of a step came to, by row index."""
+
+    #: Rows whose grammar is complete after their token: nothing may follow.
+    complete: frozenset[int] = frozenset()
+    #: Rows the grammar engine failed on, with its message.
+    failed: tuple[tuple[int, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SampledStep:
     """Sampled ids for a step; ``logits``/``processed`` travel to the reducer
     only when a row asked for logprobs, and are gone after it."""
@@ -190,6 +212,8 @@ class SampledStep:
     logprobs: tuple[TokenLogprob | None, ...] | None = None
     logits: Array | None = None
     processed: Array | None = None
+    #: Set when a row of the step has a constraint.
+    constraints: ConstraintReport | None = None
 
 
 # --- scheduler -> per-request output actor ---------------------------------
@@ -218,11 +242,19 @@ class PromptScores:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PromptCached:
+    """The first ``tokens`` prompt tokens came from the prefix cache (sent
+    at admission, only when some did)."""
+
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestFailed:
     message: str
 
 
-RequestOutput = StepOutput | PromptScores | RequestFailed
+RequestOutput = StepOutput | PromptScores | PromptCached | RequestFailed
 
 
 # --- output actor -> emitter -------------------------------------------------
@@ -289,6 +321,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     reasoning_tokens: int = 0
+    #: Prompt tokens whose KV came from the prefix cache (part of ``prompt_tokens``).
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -14,6 +14,7 @@ import anyio
 
 from sluiceway.actors.scheduler import SchedulerConfig, SchedulerHandle
 from sluiceway.protocol.errors import ApiError, AuthenticationFailed, InternalError, NotFound
+from sluiceway.server import playground
 from sluiceway.server.config import ServerConfig
 from sluiceway.server.exchange import HttpCall, Submitter
 from sluiceway.server.health import health
@@ -27,7 +28,13 @@ from sluiceway.server.http import (
 )
 from sluiceway.server.parsing import choose_parsers
 from sluiceway.server.routing import Router, merge_routes
-from sluiceway.server.runtime import LoadedModel, PipelineOptions, load_model, run_pipeline
+from sluiceway.server.runtime import (
+    LoadedModel,
+    PipelineOptions,
+    load_model,
+    prefix_cache_bytes,
+    run_pipeline,
+)
 from sluiceway.server.state import ServerState
 from sluiceway.surfaces.base import Serving, Surface, SurfaceHandler
 from sluiceway.surfaces.openai import OpenAIOptions, OpenAISurface
@@ -60,10 +67,6 @@ class Route:
     public: bool = False
 
 
-#: The server's own routes, which answer without an API key.
-PUBLIC_PATHS = frozenset({"/health"})
-
-
 def surface_routes(surface: Surface) -> dict[str, dict[str, Route]]:
     return {
         path: {method: Route(handler, surface) for method, handler in methods.items()}
@@ -71,11 +74,23 @@ def surface_routes(surface: Surface) -> dict[str, dict[str, Route]]:
     }
 
 
-def route_table(state: ServerState, speaks: tuple[Surface, ...]) -> Router[Route]:
-    """Every route: the server's own (``/health``) and each surface's."""
+def route_table(
+    state: ServerState, speaks: tuple[Surface, ...], page: Mapping[str, playground.Asset]
+) -> Router[Route]:
+    """Every route: the server's own (``/health``, the playground ``page``
+    unless it is off) and each surface's. The server's own answer without an
+    API key; their errors take the default surface's shape."""
     default = speaks[0]
-    own = {"/health": {"GET": Route(functools.partial(health, state), default, public=True)}}
-    return Router(merge_routes(own, *(surface_routes(surface) for surface in speaks)))
+    own: dict[str, Mapping[str, SurfaceHandler]] = {
+        "/health": {"GET": functools.partial(health, state)}
+    }
+    if page:
+        own |= playground.routes(page)
+    public = {
+        path: {method: Route(handler, default, public=True) for method, handler in methods.items()}
+        for path, methods in own.items()
+    }
+    return Router(merge_routes(public, *(surface_routes(surface) for surface in speaks)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +100,12 @@ class Live:
     router: Router[Route]
     serving: Serving
     scheduler: Submitter
+
+    def is_public(self, path: str) -> bool:
+        """Whether every route on ``path`` answers without an API key (a
+        wrong method there is then answered 405, not 401)."""
+        methods = self.router.routes.get(path, {})
+        return bool(methods) and all(route.public for route in methods.values())
 
 
 class SluicewayApp:
@@ -96,6 +117,8 @@ class SluicewayApp:
     def __init__(self, config: ServerConfig, speaks: tuple[Surface, ...] | None = None) -> None:
         self.config = config
         self.surfaces = surfaces(config) if speaks is None else speaks
+        #: The playground's files, read once (none with ``--no-playground``).
+        self.page = playground.load_assets() if config.playground else {}
         #: Set once the model is loaded and the pipeline runs.
         self.live: Live | None = None
 
@@ -140,13 +163,14 @@ class SluicewayApp:
             max_num_seqs=self.config.max_num_seqs,
             max_queued_requests=self.config.max_queued_requests,
             prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+            prefix_cache_bytes=prefix_cache_bytes(self.config, model.engine),
         )
 
     def _ready(self, model: LoadedModel, handle: SchedulerHandle) -> None:
         state = ServerState(
             self.config, model, handle, choose_parsers(self.config, model.tokenizer)
         )
-        self.live = Live(route_table(state, self.surfaces), state.serving(), handle)
+        self.live = Live(route_table(state, self.surfaces, self.page), state.serving(), handle)
 
     # --- http ---------------------------------------------------------------
 
@@ -161,7 +185,7 @@ class SluicewayApp:
         surface = self.surfaces[0]
         try:
             live = self._live(scope)
-            route, params = self._resolve(live.router, scope)
+            route, params = self._resolve(live, scope)
             surface = route.surface
             if not route.public:
                 self._authenticate(surface, scope)
@@ -191,14 +215,14 @@ class SluicewayApp:
             raise NotFound("the server is still starting")
         return self.live
 
-    def _resolve(self, router: Router[Route], scope: Scope) -> tuple[Route, Mapping[str, str]]:
+    def _resolve(self, live: Live, scope: Scope) -> tuple[Route, Mapping[str, str]]:
         """The route, or the error of a request that has none (rendered by
         the default surface); without a route, the default surface's
         credentials are checked first, so a keyless client learns nothing."""
         try:
-            return router.resolve(scope["method"], scope["path"])
+            return live.router.resolve(scope["method"], scope["path"])
         except ApiError:
-            if scope["path"] not in PUBLIC_PATHS:
+            if not live.is_public(scope["path"]):
                 self._authenticate(self.surfaces[0], scope)
             raise
 

@@ -41,11 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
         "host": "address to bind",
         "port": "port to bind",
         "worker_class": "Hypercorn worker class",
-        "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
+        "api_key": "require 'Authorization: Bearer KEY' on every route but /health and the "
+        "playground page",
         "max_body_bytes": "largest request body accepted (413 beyond)",
         "max_num_seqs": "most sequences decoded together in one batch",
         "max_queued_requests": "most requests waiting for a slot (429 beyond)",
         "prefill_chunk_tokens": "prompt tokens prefilled per step, so running streams keep flowing",
+        "prefix_cache": "reuse the KV of prompt prefixes earlier requests computed "
+        "(--no-prefix-cache: prefill every prompt whole)",
+        "prefix_cache_bytes": "most bytes the prefix cache holds, least recently used "
+        "evicted first (default: min(free memory after loading / 4, 2^20 tokens of KV))",
         "keepalive_seconds": "SSE ': keepalive' comment interval while a streamed request waits",
         "max_top_logprobs": "largest top_logprobs / logprobs / prompt_logprobs accepted",
         "logprobs_mode": "raw: the model's distribution; processed: the one sampled from",
@@ -58,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         "starts from, e.g. '{\"enable_thinking\": false}'; a request's chat_template_kwargs "
         "override them key by key",
         "cache_dir": "where the default model is built (default: $XDG_CACHE_HOME/sluiceway)",
+        "playground": "serve the playground page at / and /playground (no API key needed)",
         "log_level": "logging level",
     }
     for spec in dataclasses.fields(ServerConfig):
@@ -67,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
             options["choices"] = CHOICES[spec.name]
         if isinstance(default, bool) or str(spec.type).startswith("bool"):
             options["action"] = argparse.BooleanOptionalAction
-        elif isinstance(default, int):
+        elif isinstance(default, int) or str(spec.type).startswith("int"):
             options["type"] = int
         elif isinstance(default, float):
             options["type"] = float

@@ -53,6 +53,11 @@ class ServerConfig:
     max_num_seqs: int = 32
     max_queued_requests: int = 256
     prefill_chunk_tokens: int = 2048
+    #: Reuse the KV of prompt prefixes that earlier requests computed.
+    prefix_cache: bool = True
+    #: None: derived from the model's KV size and the free memory
+    #: (``sluiceway.actors.prefix_cache.default_budget``).
+    prefix_cache_bytes: int | None = None
     keepalive_seconds: float = 5.0
     max_top_logprobs: int = 20
     logprobs_mode: Literal["raw", "processed"] = "raw"
@@ -66,6 +71,7 @@ class ServerConfig:
     #: ``chat_template_kwargs`` override them key by key.
     default_chat_template_kwargs: str | None = None
     cache_dir: str | None = None
+    playground: bool = True
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -85,6 +91,8 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
+            raise ValueError("prefix_cache_bytes must not be negative")
         if not 0 <= self.max_top_logprobs <= 1000:
             raise ValueError("max_top_logprobs must be between 0 and 1000")
 

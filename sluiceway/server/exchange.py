@@ -39,9 +39,9 @@ from sluiceway.server.http import (
     Scope,
     Send,
     read_body,
-    send_json_text,
+    send_bytes,
 )
-from sluiceway.surfaces.base import Headers, Job, StreamEncoder
+from sluiceway.surfaces.base import JSON_HEADERS, Headers, Job, StreamEncoder
 
 
 class Submitter(ChoiceFinisher, Protocol):
@@ -276,6 +276,11 @@ class HttpCall:
     keepalive_seconds: float
 
     @property
+    def method(self) -> str:
+        method: str = self.scope["method"]
+        return method
+
+    @property
     def headers(self) -> Headers:
         headers: Headers = self.scope.get("headers", ())
         return headers
@@ -284,7 +289,10 @@ class HttpCall:
         return await read_body(self.scope, self.receive, self.max_body_bytes)
 
     async def send_json(self, text: str, status: int = 200) -> None:
-        await send_json_text(self.send, text, status)
+        await self.send_bytes(status, text.encode("utf-8"), JSON_HEADERS)
+
+    async def send_bytes(self, status: int, body: bytes, headers: Headers) -> None:
+        await send_bytes(self.send, status, body, headers, head=self.method == "HEAD")
 
     async def stream(self, jobs: Sequence[Job], encoder: StreamEncoder) -> None:
         await stream_reply(

@@ -44,10 +44,14 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             return b"".join(parts)
 
 
-async def send_bytes(send: Send, status: int, body: bytes, headers: Headers) -> None:
+async def send_bytes(
+    send: Send, status: int, body: bytes, headers: Headers, *, head: bool = False
+) -> None:
+    """A whole response; for a ``HEAD`` request (``head``) the headers only,
+    with the length the body would have."""
     all_headers = [*headers, (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": all_headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    await send({"type": "http.response.body", "body": b"" if head else body, "more_body": False})
 
 
 async def send_json_text(send: Send, text: str, status: int = 200) -> None:

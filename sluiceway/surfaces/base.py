@@ -83,6 +83,11 @@ class Call(Protocol):
         ...
 
     @property
+    def method(self) -> str:
+        """``GET``, ``POST``, ... (a ``HEAD`` request's replies go out without a body)."""
+        ...
+
+    @property
     def headers(self) -> Headers: ...
 
     async def body(self) -> bytes:
@@ -90,6 +95,10 @@ class Call(Protocol):
         ...
 
     async def send_json(self, text: str, status: int = 200) -> None: ...
+
+    async def send_bytes(self, status: int, body: bytes, headers: Headers) -> None:
+        """A whole reply of any content type (the headers name it)."""
+        ...
 
     async def stream(self, jobs: Sequence[Job], encoder: StreamEncoder) -> None:
         """Submit the jobs and stream the encoder's frames until the reply

@@ -8,10 +8,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -45,10 +44,19 @@ class RunningServer:
     process: subprocess.Popen[bytes]
     log_path: Path
     engine: str = "auto"
+    #: The server's --api-key, which the helpers below then send.
+    api_key: str | None = None
+    #: Fields that make the pace stream (seconds_per_token) write text: a
+    #: scripted model needs its script chosen.
+    pace_fields: dict[str, object] = field(default_factory=dict)
 
     @property
     def api_url(self) -> str:
         return self.base_url + "/v1"
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -156,11 +164,10 @@ PACE_TOKENS = 200
 _paces: dict[str, float] = {}
 
 
-def seconds_per_token(server: RunningServer, pace_fields: Mapping[str, Any] | None = None) -> float:
+def seconds_per_token(server: RunningServer) -> float:
     """How long the server takes per token of one lone greedy stream (timed
     once per server), so that a test can tell "stopped at once" from "ran to
-    the end" on any machine. ``pace_fields`` add to the timed chat request
-    (a scripted model's looping script, say, whose tokens all carry text)."""
+    the end" on any machine."""
     if server.base_url not in _paces:
         body = {
             "model": server.model,
@@ -169,12 +176,14 @@ def seconds_per_token(server: RunningServer, pace_fields: Mapping[str, Any] | No
             "ignore_eos": True,
             "temperature": 0,
             "stream": True,
-            **(pace_fields or {}),
+            **server.pace_fields,
         }
         stamps: list[float] = []
         with (
             httpx.Client(timeout=120) as client,
-            client.stream("POST", server.base_url + "/v1/chat/completions", json=body) as reply,
+            client.stream(
+                "POST", server.base_url + "/v1/chat/completions", json=body, headers=server.auth
+            ) as reply,
         ):
             for line in reply.iter_lines():
                 if line.startswith("data: {") and '"content":' in line:
@@ -192,21 +201,16 @@ def scheduler_state(server: RunningServer) -> dict[str, int]:
 def context_room(server: RunningServer, prompt: int = 64) -> int:
     """Tokens a request with a prompt of at most ``prompt`` tokens may
     generate: leaving out ``max_tokens`` asks for all of them."""
-    card = httpx.get(f"{server.api_url}/models/{server.model}", timeout=10).json()
-    return int(card["max_model_len"]) - prompt
+    reply = httpx.get(f"{server.api_url}/models/{server.model}", headers=server.auth, timeout=10)
+    return int(reply.json()["max_model_len"]) - prompt
 
 
-def assert_freed_promptly(
-    server: RunningServer,
-    left: int,
-    since: float,
-    pace_fields: Mapping[str, Any] | None = None,
-) -> float:
+def assert_freed_promptly(server: RunningServer, left: int, since: float) -> float:
     """Wait until no request runs, and check that this came far sooner than
     generating the ``left`` tokens the abandoned request still had would
     take: a server that ignored the disconnect and ran to ``max_tokens``
     fails. Returns the seconds it took."""
-    would_take = left * seconds_per_token(server, pace_fields)
+    would_take = left * seconds_per_token(server)
     deadline = since + max(would_take * 1.5, 5.0)
     while True:
         state = scheduler_state(server)

@@ -19,6 +19,20 @@ FORCED_REQUIRED = Script(
     ("<tool_call>", "\n", '{"name": "', "get_time", '", "arguments": ', '{"tz": "UTC"}', "}\n", "</tool_call>"),
 )  # fmt: skip
 
+#: Reasoning, content, then a hermes tool call: every channel in one reply (the
+#: playground's browser tests). Markup: <think>, </think>, the dropped "\n\n",
+#: the call's envelope (<tool_call>, "\n", the name, the keys), </tool_call>, EOS.
+PLAYGROUND = Script(
+    "playground",
+    (
+        "<think>", "\nThe user", " wants", " the weather", " in Paris", ".\n", "</think>", "\n\n",
+        "Checking", " the forecast", " for you", ".",
+        "<tool_call>", "\n", '{"name": ', '"get_weather"', ', "arguments": ',
+        '{"city": ', '"Paris"', "}}\n", "</tool_call>",
+    ),
+)  # fmt: skip
+
+
 # -- Responses API -------------------------------------------------------------
 
 #: Calls a member of a ``namespace`` tool under its qualified name.
@@ -75,4 +89,4 @@ AGENT_DONE = Script(
 
 RESPONSES_SCRIPTS = (NAMESPACED, CUSTOM_CALL, AGENT_CALL, AGENT_DONE)
 
-ALL_SCRIPTS = (*EXAMPLE_SCRIPTS, FORCED_NAMED, FORCED_REQUIRED, *RESPONSES_SCRIPTS)
+ALL_SCRIPTS = (*EXAMPLE_SCRIPTS, FORCED_NAMED, FORCED_REQUIRED, PLAYGROUND, *RESPONSES_SCRIPTS)

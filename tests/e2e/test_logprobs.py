@@ -34,6 +34,28 @@ def log_softmax_of(model: Any, ids: list[int]) -> np.ndarray:
     return torch.log_softmax(logits, dim=-1).numpy()
 
 
+def assert_same_numbers(got: Any, want: Any) -> None:
+    """The same structure, strings and ids; floats within ``TOLERANCE``. Two
+    requests for the same thing may differ in the last bits of a logprob: the
+    second reuses the first's prompt from the prefix cache, and prefills
+    only its last token, in a pass of another shape."""
+    if isinstance(want, float) and not isinstance(got, bool):
+        assert isinstance(got, float | int)
+        assert abs(got - want) < TOLERANCE, (got, want)
+    elif isinstance(want, dict):
+        assert isinstance(got, dict)
+        assert list(got) == list(want)
+        for key in want:
+            assert_same_numbers(got[key], want[key])
+    elif isinstance(want, list):
+        assert isinstance(got, list)
+        assert len(got) == len(want)
+        for mine, theirs in zip(got, want, strict=True):
+            assert_same_numbers(mine, theirs)
+    else:
+        assert got == want
+
+
 def token_id(token: str) -> int:
     assert token.startswith("token_id:"), token
     return int(token.removeprefix("token_id:"))
@@ -164,7 +186,7 @@ def test_partial_characters_travel_with_the_chunk_that_completes_them(
     every = [e for _, entries in pieces for e in entries]
     assert bytes(b for e in every for b in e["bytes"]) == "Café costs 3€".encode()
     whole = post(scripted_server, "/chat/completions", body)
-    assert whole["choices"][0]["logprobs"]["content"] == every
+    assert_same_numbers(whole["choices"][0]["logprobs"]["content"], every)
     assert whole["choices"][0]["message"]["content"] == "Café costs 3€"
 
 
@@ -222,11 +244,11 @@ def test_streaming_and_whole_replies_carry_the_same_entries(
             logprobs = chunk["choices"][0]["logprobs"] if chunk["choices"] else None
             for key in streamed:
                 streamed[key] += (logprobs or {}).get(key, [])
-        assert streamed == whole["logprobs"]
+        assert_same_numbers(streamed, whole["logprobs"])
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole["text"]
     else:
         entries = [e for c in chunks if c["choices"] for e in chunk_content(c)[1]]
-        assert entries == whole["logprobs"]["content"]
+        assert_same_numbers(entries, whole["logprobs"]["content"])
 
 
 def test_logprob_token_ids_score_every_position(server: RunningServer, reference: Any) -> None:

@@ -368,8 +368,7 @@ def test_max_output_tokens_ends_incomplete(
 def test_disconnect_cancels_the_response(
     scripted_server: RunningServer, scripted: ScriptedModel
 ) -> None:
-    looping = {"chat_template_kwargs": scripted.chat_kwargs("bytes_stop")}
-    seconds_per_token(scripted_server, looping)  # timed before, on an idle server
+    seconds_per_token(scripted_server)  # timed before, on an idle server
     payload = {**body(scripted_server, scripted, "bytes_stop"), "stream": True}
     with (
         httpx.Client(timeout=60) as client,
@@ -380,7 +379,7 @@ def test_disconnect_cancels_the_response(
             pass
         # Leaving the block closes the connection mid-reply.
     closed = time.monotonic()
-    assert_freed_promptly(scripted_server, context_room(scripted_server), closed, looping)
+    assert_freed_promptly(scripted_server, context_room(scripted_server), closed)
 
 
 def refused(server: RunningServer, method: str, path: str, **kwargs: Any) -> dict[str, Any]:

@@ -124,6 +124,7 @@ class CompletionFragments:
                 prompt_tokens=self._usage.prompt_tokens + event.usage.prompt_tokens,
                 completion_tokens=self._usage.completion_tokens + event.usage.completion_tokens,
                 reasoning_tokens=self._usage.reasoning_tokens + event.usage.reasoning_tokens,
+                cached_tokens=self._usage.cached_tokens + event.usage.cached_tokens,
             )
         elif isinstance(event, Failed):
             self.failure = event.message

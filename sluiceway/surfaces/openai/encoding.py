@@ -60,7 +60,7 @@ def usage_wire(usage: Usage) -> UsageWire:
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=0),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
         completion_tokens_details=CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens),
     )
 

@@ -1,0 +1,303 @@
+"""Constrained decoding through the scheduler and the sampler, on the
+random-weight default model, on both engines, in process and in a child
+process (``--engine-process``): whatever the schema, regex or choice, and
+whatever the sampling, every output matches it."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sluiceway.actors.scheduler import SchedulerHandle
+from sluiceway.protocol.constraints import Constraint, ConstraintKind
+from sluiceway.protocol.messages import (
+    FinishCause,
+    GenerationRequest,
+    Limits,
+    RequestOutput,
+    StepOutput,
+)
+from tests.engines.conftest import ENGINES
+from tests.engines.constrained_rig import (
+    MAX_TOKENS,
+    Outcome,
+    Rig,
+    generation,
+    open_rig,
+    with_pipeline,
+)
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def rig(request: pytest.FixtureRequest, default_model: Path) -> Iterator[Rig]:
+    yield from open_rig(default_model, str(request.param), in_child=False)
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def child_rig(request: pytest.FixtureRequest, default_model: Path) -> Iterator[Rig]:
+    yield from open_rig(default_model, str(request.param), in_child=True)
+
+
+# --- JSON schemas that a random model finishes within MAX_TOKENS ---------------
+
+names = st.text(alphabet="abcdefgh_", min_size=1, max_size=6)
+scalars = st.one_of(st.text(max_size=4), st.integers(-9, 9), st.booleans(), st.none())
+
+#: The formats llguidance enforces exactly as jsonschema checks them ("date"
+#: is not among them: llguidance admits the year 0000, Python does not).
+FORMATS = ("time", "date-time", "uuid", "ipv4", "ipv6", "email", "hostname", "duration", "uri")
+
+leaves = st.one_of(
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+    st.builds(
+        lambda low, span: {"type": "integer", "minimum": low, "maximum": low + span},
+        st.integers(-1000, 1000),
+        st.integers(0, 5000),
+    ),
+    st.builds(
+        lambda low, extra: {"type": "string", "minLength": low, "maxLength": low + extra},
+        st.integers(0, 3),
+        st.integers(0, 5),
+    ),
+    st.lists(scalars, min_size=1, max_size=4, unique_by=json.dumps).map(lambda v: {"enum": v}),
+    scalars.map(lambda v: {"const": v}),
+    st.sampled_from(FORMATS).map(lambda f: {"type": "string", "format": f, "maxLength": 40}),
+    st.sampled_from(["^[a-z]{1,4}$", "^[0-9]{2}-[A-Z]$"]).map(
+        lambda p: {"type": "string", "pattern": p}
+    ),
+)
+
+
+def _object(properties: dict[str, Any], required: list[bool]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": [key for key, needed in zip(properties, required, strict=False) if needed],
+        "additionalProperties": False,
+    }
+
+
+def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    arrays = st.builds(
+        lambda items, low, extra: {
+            "type": "array",
+            "items": items,
+            "minItems": low,
+            "maxItems": low + extra,
+        },
+        children,
+        st.integers(0, 1),
+        st.integers(0, 2),
+    )
+    objects = st.builds(
+        _object,
+        st.dictionaries(names, children, min_size=1, max_size=3),
+        st.lists(st.booleans(), min_size=3, max_size=3),
+    )
+    either = st.lists(children, min_size=2, max_size=2).map(lambda c: {"anyOf": c})
+    return st.one_of(arrays, objects, either)
+
+
+schemas = st.recursive(leaves, _containers, max_leaves=6)
+
+
+def validate(rig: Rig, outcome: Outcome, schema: dict[str, Any]) -> None:
+    assert outcome.failure is None, outcome.failure
+    assert outcome.finish in (FinishCause.EOS, FinishCause.GRAMMAR), rig.text(outcome)
+    document = json.loads(rig.text(outcome))
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    jsonschema.Draft202012Validator(schema, format_checker=checker).validate(document)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    schema=schemas,
+    seed=st.integers(0, 2**16),
+    backend=st.sampled_from(["asyncio", "trio"]),
+)
+def test_every_output_validates_against_its_schema(
+    rig: Rig, schema: dict[str, Any], seed: int, backend: str
+) -> None:
+    """Greedy, and two seeded sampled choices, batched with a free request."""
+    constraint = Constraint(kind=ConstraintKind.JSON_SCHEMA, text=json.dumps(schema))
+    results = rig.run(
+        [
+            generation(rig, "greedy", constraint, temperature=0.0),
+            generation(rig, "sampled", constraint, n=2, temperature=1.0, top_p=0.95, seed=seed),
+            generation(rig, "free", None, temperature=0.0, max_tokens=20),
+        ],
+        backend,
+    )
+    for outcome in [*results["greedy"], *results["sampled"]]:
+        validate(rig, outcome, schema)
+    assert results["free"][0].finish is not None
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pattern=st.sampled_from(
+        [
+            r"[0-9]{1,4}",
+            r"(yes|no|maybe)!?",
+            r"[a-f]{2}-[0-9]{3}",
+            r"[a-z0-9_]{1,5}@[a-z]{1,5}\.(com|org)",
+        ]
+    ),
+    options=st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=5, unique=True),
+    seed=st.integers(0, 2**16),
+)
+def test_regex_and_choice_outputs_match(
+    rig: Rig, pattern: str, options: list[str], seed: int
+) -> None:
+    """The regexes keep to syntax Python's ``re`` reads as llguidance (Rust's
+    regex crate) does: their ``\\w`` differ, Rust's taking combining marks."""
+    regex = Constraint(kind=ConstraintKind.REGEX, text=pattern)
+    choice = Constraint.choice(options)
+    results = rig.run(
+        [
+            generation(rig, "regex-greedy", regex, temperature=0.0),
+            generation(rig, "regex", regex, n=2, temperature=1.0, seed=seed),
+            generation(rig, "choice-greedy", choice, temperature=0.0),
+            generation(rig, "choice", choice, n=2, temperature=1.0, seed=seed),
+        ]
+    )
+    for name in ("regex-greedy", "regex"):
+        for outcome in results[name]:
+            assert outcome.finish in (FinishCause.EOS, FinishCause.GRAMMAR)
+            assert re.fullmatch(pattern, rig.text(outcome)), rig.text(outcome)
+    for name in ("choice-greedy", "choice"):
+        for outcome in results[name]:
+            assert outcome.finish in (FinishCause.EOS, FinishCause.GRAMMAR)
+            assert rig.text(outcome) in options
+
+
+#: A schema whose documents are short whatever the model does.
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Oslo", "Lima"]},
+        "days": {"type": "integer", "minimum": 0, "maximum": 9},
+        "windy": {"type": "boolean"},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+def test_free_rows_batched_with_constrained_ones_decode_as_alone(rig: Rig) -> None:
+    free = [generation(rig, f"free{i}", None, temperature=0.0, max_tokens=16) for i in range(2)]
+    alone = rig.run(free)
+    constraint = Constraint(kind=ConstraintKind.JSON_SCHEMA, text=json.dumps(WEATHER))
+    batched = rig.run([*free, generation(rig, "json", constraint, n=2, temperature=0.7, seed=3)])
+    for request in free:
+        assert batched[request.request_id][0].tokens == alone[request.request_id][0].tokens
+    for outcome in batched["json"]:
+        validate(rig, outcome, WEATHER)
+
+
+def test_seeded_constrained_choices_reproduce(rig: Rig) -> None:
+    constraint = Constraint(kind=ConstraintKind.REGEX, text=r"[a-z ]{5,30}\.")
+    request = generation(rig, "seeded", constraint, n=2, temperature=1.0, seed=77)
+    first = rig.run([request])["seeded"]
+    again = rig.run([request, generation(rig, "other", None, temperature=0.9, max_tokens=9)])
+    assert [o.tokens for o in again["seeded"]] == [o.tokens for o in first]
+    assert first[0].tokens != first[1].tokens
+
+
+def test_a_complete_grammar_ends_the_row_even_with_ignore_eos(rig: Rig) -> None:
+    choice = Constraint.choice(["sunny", "rainy"])
+    spec = generation(rig, "x", choice, temperature=0.0)
+    spec = GenerationRequest(
+        request_id="x",
+        prompt_ids=spec.prompt_ids,
+        sampling=spec.sampling,
+        limits=Limits(max_tokens=50, ignore_eos=True, min_tokens=20),
+        constraint=choice,
+    )
+    (outcome,) = rig.run([spec])["x"]
+    assert rig.text(outcome) in ("sunny", "rainy")
+    assert outcome.finish is FinishCause.GRAMMAR
+    assert not set(outcome.tokens) & rig.tokenizer.eos_ids
+
+
+def test_a_greedy_constrained_row_alone_is_masked_from_its_first_token(rig: Rig) -> None:
+    """Alone, a greedy row would have its tokens picked by the engine (the
+    greedy fast path, decoding ahead): a constrained one never does."""
+    (free,) = rig.run([generation(rig, "free", None, temperature=0.0, max_tokens=4)])["free"]
+    assert not re.fullmatch("[0-9]+", rig.text(free))  # else this test shows nothing
+    regex = Constraint(kind=ConstraintKind.REGEX, text="[0-9]{4}")
+    (outcome,) = rig.run([generation(rig, "digits", regex, temperature=0.0)])["digits"]
+    assert re.fullmatch("[0-9]{4}", rig.text(outcome))
+    assert outcome.finish is FinishCause.GRAMMAR
+
+
+def test_max_tokens_cuts_a_constrained_row(rig: Rig) -> None:
+    constraint = Constraint(kind=ConstraintKind.REGEX, text="[a-z]{20}")
+    (outcome,) = rig.run([generation(rig, "x", constraint, temperature=0.0, max_tokens=3)])["x"]
+    assert outcome.finish is FinishCause.MAX_TOKENS
+    assert len(outcome.tokens) == 3
+    assert re.fullmatch("[a-z]+", rig.text(outcome))
+
+
+def test_a_constraint_that_does_not_compile_fails_only_its_request(rig: Rig) -> None:
+    bad = Constraint(kind=ConstraintKind.JSON_SCHEMA, text='{"type": "string", "pattern": "(("}')
+    free = generation(rig, "free", None, temperature=0.0, max_tokens=16)
+    alone = rig.run([free])["free"][0].tokens
+    results = rig.run([generation(rig, "bad", bad, n=2), free])
+    assert all(o.failure and "unclosed group" in o.failure for o in results["bad"])
+    assert results["free"][0].tokens == alone
+
+
+def test_the_engine_in_a_child_process_decodes_constrained_rows(child_rig: Rig) -> None:
+    schema = WEATHER
+    constraint = Constraint(kind=ConstraintKind.JSON_SCHEMA, text=json.dumps(schema))
+    regex = Constraint(kind=ConstraintKind.REGEX, text="[0-9]{2}:[0-9]{2}")
+    results = child_rig.run(
+        [
+            generation(child_rig, "greedy", constraint, temperature=0.0),
+            generation(child_rig, "sampled", constraint, n=2, temperature=1.0, seed=5),
+            generation(child_rig, "regex", regex, temperature=0.0),
+            generation(child_rig, "free", None, temperature=0.0, max_tokens=12),
+        ],
+        "trio",
+    )
+    for outcome in [*results["greedy"], *results["sampled"]]:
+        validate(child_rig, outcome, schema)
+    assert re.fullmatch("[0-9]{2}:[0-9]{2}", child_rig.text(results["regex"][0]))
+
+
+@pytest.mark.anyio
+async def test_a_choice_ended_early_leaves_the_others_constrained(rig: Rig) -> None:
+    """The output actor ends a choice (a stop string) mid-document: the
+    request's other choice walks on in its own grammar to a valid end."""
+    constraint = Constraint(kind=ConstraintKind.JSON_SCHEMA, text=json.dumps(WEATHER))
+    request = generation(rig, "two", constraint, n=2, temperature=1.0, seed=21)
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    finishes: dict[int, FinishCause | None] = {}
+
+    async def body(handle: SchedulerHandle) -> None:
+        send, receive = anyio.create_memory_object_stream[RequestOutput](MAX_TOKENS + 2)
+        handle.submit(request, send)
+        async with receive:
+            async for message in receive:
+                assert isinstance(message, StepOutput)
+                for sample in message.samples:
+                    tokens[sample.choice].append(sample.token_id)
+                    finishes[sample.choice] = sample.finish
+                if len(tokens[0]) == 2:
+                    handle.finish_choice("two", 0)
+
+    await with_pipeline(rig.model, body)
+    assert len(tokens[0]) <= 3  # the step in flight may still bring one
+    assert finishes[1] in (FinishCause.EOS, FinishCause.GRAMMAR)
+    validate(rig, Outcome(tokens[1], finishes[1]), WEATHER)
