@@ -145,7 +145,7 @@ def text_part(item: OutputItem) -> OutputTextPart:
 def usage_wire(usage: Usage) -> UsageWire:
     return UsageWire(
         input_tokens=usage.prompt_tokens,
-        input_tokens_details=InputTokensDetails(),
+        input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_tokens),
         output_tokens=usage.completion_tokens,
         output_tokens_details=OutputTokensDetails(reasoning_tokens=usage.reasoning_tokens),
         total_tokens=usage.total_tokens,

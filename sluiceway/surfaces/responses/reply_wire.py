@@ -81,7 +81,8 @@ OutputItemWire = MessageWire | ReasoningWire | FunctionCallWire | CustomToolCall
 
 class InputTokensDetails(WireModel):
     cached_tokens: int = 0
-    #: Tokens written to a prompt cache (none: nothing is cached for later).
+    #: Always 0: the prefix cache keeps what fits its budget and does not say
+    #: what it kept of a given prompt.
     cache_write_tokens: int = 0
 
 
