@@ -13,7 +13,7 @@ LATEST := .venv-latest
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint typecheck check-lock browser pytest test-clients test-latest lock lock-upgrade bench clean
+.PHONY: serve test lint typecheck check-lock browser clients pytest test-clients test-latest lock lock-upgrade bench clean
 
 # The build tools come first, from the lock, so that the editable install
 # builds without fetching unlocked ones into an isolated environment.
@@ -58,17 +58,28 @@ browser:
 		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; \
 	fi
 
-pytest: $(TORCH_STAMP) browser
+# The real client CLIs the client tests drive (tests/clients/*/), each at the
+# version its checked-in package-lock.json pins, installed with `npm ci` when a
+# (non-optional) package in node_modules is missing or at another version.
+# Without npm they are left out here and their tests fail, saying so.
+CLIENT_DIRS := $(patsubst %/package-lock.json,%,$(wildcard tests/clients/*/package-lock.json))
+
+clients: $(STAMP)
+	@for dir in $(CLIENT_DIRS); do \
+		if ! command -v npm >/dev/null; then echo "npm missing: $$dir not installed"; continue; fi; \
+		$(BIN)/python scripts/npm_installed.py $$dir || (cd $$dir && npm ci --no-audit --no-fund) || exit 1; \
+	done
+
+pytest: $(TORCH_STAMP) browser clients
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # pytest's exit code 5 (nothing collected) fails this target like any other.
 test: lint typecheck check-lock pytest
 
 # Only the tests that drive a real client CLI (tests/clients; `make test` runs
-# them too). Each client is installed on first use with `npm ci` from the
-# package-lock.json beside its test, so they need Node.js and the npm registry
-# once.
-test-clients: $(TORCH_STAMP)
+# them too), installed by `clients` above: they need Node.js, and the npm
+# registry once.
+test-clients: $(TORCH_STAMP) clients
 	$(BIN)/python -m pytest -m client $(PYTEST_ARGS)
 
 # Types and the suite on the newest releases that pyproject.toml allows, in a
