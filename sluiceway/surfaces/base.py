@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from sluiceway.actors.constraints import ConstraintCompiler
 from sluiceway.actors.output import OutputConfig
 from sluiceway.engines.base import EngineInfo
 from sluiceway.engines.tokenizer import ModelTokenizer
@@ -126,6 +127,9 @@ class Serving:
     stop_in_reasoning: bool
     #: Chat template variables every request starts from (``--default-chat-template-kwargs``).
     default_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    #: Compiles the constraints of structured output (refuses them all
+    #: where the model's tokenizer has no grammar engine).
+    constraints: ConstraintCompiler = field(default_factory=lambda: ConstraintCompiler(None))
 
     @property
     def vocab_size(self) -> int:

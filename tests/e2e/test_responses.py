@@ -5,10 +5,12 @@ class."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -398,7 +400,8 @@ def refused(server: RunningServer, method: str, path: str, **kwargs: Any) -> dic
         ({"background": True}, "background", "stateless"),
         ({"tools": [WEB_SEARCH], "tool_choice": {"type": "web_search"}}, "tool_choice", "hosted"),
         ({"tools": [{"type": "frobnicate"}]}, "tools[0]", "'frobnicate'"),
-        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format", "json_schema"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "frob"}}}}, "text.format", "invalid json_schema"),
+        ({"text": {"format": {"type": "json_object"}}, "tools": [WEATHER]}, "text.format", "tools"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "stateless"),
         ({"max_output_tokens": 0}, "max_output_tokens", "greater than"),
         ({"seed": 1}, "seed", "Unrecognized"),
@@ -413,6 +416,58 @@ def test_refusals_are_400s_in_the_openai_shape(
     assert error["error"]["type"] == "invalid_request_error"
     assert error["error"]["param"] == param
     assert words in error["error"]["message"]
+
+
+FORECAST: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "unit": {"enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+FORECAST_FORMAT = {"type": "json_schema", "name": "forecast", "schema": FORECAST, "strict": True}
+
+
+def test_text_format_json_schema_holds_the_message(server: RunningServer) -> None:
+    """The random-weight default model writes only what the schema allows,
+    whole and streamed alike."""
+    payload = {
+        "model": server.model,
+        "input": "Describe the weather.",
+        "text": {"format": FORECAST_FORMAT},
+        "max_output_tokens": 400,
+        "temperature": 0,
+        # An open <think> of a random model would run to the limit.
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    whole = post(server, payload)
+    assert whole["status"] == "completed"
+    assert whole["text"]["format"] == FORECAST_FORMAT
+    jsonschema.validate(json.loads(item_text(whole["output"][-1])), FORECAST)
+    events = stream(server, payload)
+    assert without_ids(events[-1]["response"]["output"]) == without_ids(whole["output"])
+
+
+def test_text_format_leaves_reasoning_free(
+    scripted_server: RunningServer, scripted: ScriptedModel
+) -> None:
+    """The constraint starts after </think>: the reasoning is the script's."""
+    free = post(scripted_server, body(scripted_server, scripted, "custom_call", tools=[]))
+    payload = body(
+        scripted_server,
+        scripted,
+        "custom_call",
+        tools=[],
+        text={"format": FORECAST_FORMAT},
+        max_output_tokens=200,
+    )
+    held = post(scripted_server, payload)
+    assert held["output"][0]["type"] == "reasoning"
+    assert without_ids(held["output"][:1]) == without_ids(free["output"][:1])
+    jsonschema.validate(json.loads(item_text(held["output"][-1])), FORECAST)
 
 
 def test_unknown_model_and_stored_responses_are_404s(scripted_server: RunningServer) -> None:

@@ -8,9 +8,11 @@ from typing import Any
 
 import pytest
 
+from sluiceway.protocol.constraints import ConstraintKind
 from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.surfaces import validation
 from sluiceway.surfaces.conversation import Conversation, Message, Role, ToolCall, ToolChoiceMode
+from sluiceway.surfaces.responses.text_format import format_constraint, format_echo
 from sluiceway.surfaces.responses.tools import ToolTable, tool_table
 from sluiceway.surfaces.responses.translate import (
     check_settings,
@@ -240,7 +242,6 @@ def test_stateful_features_are_refused_as_such(fields: dict[str, Any], param: st
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
         ({"truncation": "auto"}, "truncation"),
     ],
 )
@@ -248,6 +249,48 @@ def test_unsupported_settings(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
         check_settings(request(**fields))
     assert caught.value.param == param
+
+
+SCHEMA_FORMAT = {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": True}
+
+
+@pytest.mark.parametrize(
+    ("text_format", "kind"),
+    [
+        (None, None),
+        ({"type": "text"}, None),
+        ({"type": "json_object"}, ConstraintKind.JSON_OBJECT),
+        (SCHEMA_FORMAT, ConstraintKind.JSON_SCHEMA),
+    ],
+)
+def test_text_format_constraint(
+    text_format: dict[str, Any] | None, kind: ConstraintKind | None
+) -> None:
+    parsed = request(text={"format": text_format} if text_format else None)
+    conversation, _ = conversation_of(parsed, tool_table([]))
+    constraint = format_constraint(parsed, conversation)
+    assert (constraint.kind if constraint else None) is kind
+    if kind is ConstraintKind.JSON_SCHEMA:
+        assert constraint is not None
+        assert json.loads(constraint.text) == {"type": "object"}
+    assert format_echo(parsed) == (text_format or {"type": "text"})
+
+
+def test_text_format_with_callable_tools_is_refused() -> None:
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    parsed = request(text={"format": SCHEMA_FORMAT}, tools=tools)
+    conversation, _ = conversation_of(parsed, tool_table(parsed.tools or []))
+    with pytest.raises(InvalidRequest) as caught:
+        format_constraint(parsed, conversation)
+    assert caught.value.param == "text.format"
+    quiet = request(text={"format": SCHEMA_FORMAT}, tools=tools, tool_choice="none")
+    conversation, _ = conversation_of(quiet, tool_table(quiet.tools or []))
+    assert format_constraint(quiet, conversation) is not None
+
+
+def test_a_json_schema_format_needs_its_schema() -> None:
+    with pytest.raises(InvalidRequest):
+        request(text={"format": {"type": "json_schema", "name": "x"}})
 
 
 def test_accepted_codex_settings() -> None:

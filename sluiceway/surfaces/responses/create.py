@@ -22,6 +22,11 @@ from sluiceway.surfaces.responses.encoder import (
     ResponsesStreamEncoder,
 )
 from sluiceway.surfaces.responses.items import new_id
+from sluiceway.surfaces.responses.text_format import (
+    format_constraint,
+    format_echo,
+    reply_constraint,
+)
 from sluiceway.surfaces.responses.tools import tool_table
 from sluiceway.surfaces.responses.translate import (
     STATELESS,
@@ -42,7 +47,7 @@ def _echo(request: ResponsesRequest, payload: dict[str, Any]) -> dict[str, Any]:
     ``store`` is always false: whatever the request asked, nothing is kept.
     """
     reasoning = request.reasoning
-    text: dict[str, Any] = {"format": {"type": "text"}}
+    text: dict[str, Any] = {"format": format_echo(request)}
     if request.text is not None and request.text.verbosity is not None:
         text["verbosity"] = request.text.verbosity
     echo: dict[str, Any] = {
@@ -83,9 +88,12 @@ async def create(serving: Serving, call: Call) -> None:
     request = validation.parse_request(ResponsesRequest, payload)
     _check(serving, request)
     conversation, tools = conversation_of(request, tool_table(request.tools or []))
+    constraint = format_constraint(request, conversation)
     prompt = await anyio.to_thread.run_sync(
         render_conversation, serving, conversation, StopOptions(), _PARAMS
     )
+    if constraint is not None:
+        constraint = await reply_constraint(serving, constraint, prompt.options)
     logprobs = validation.logprob_params(
         top=(request.top_logprobs or 0) if request.wants_logprobs else None,
         token_ids=None,
@@ -107,6 +115,7 @@ async def create(serving: Serving, call: Call) -> None:
             vocab_size=serving.vocab_size,
             names=_LIMIT_NAMES,
         ),
+        constraint=constraint,
     )
     table, text_path = serving.tokenizer.table, prompt.options
     output = OutputConfig(

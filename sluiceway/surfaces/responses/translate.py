@@ -149,12 +149,6 @@ def check_stateless(request: ResponsesRequest) -> None:
 
 
 def check_settings(request: ResponsesRequest) -> None:
-    text_format = request.text.format if request.text is not None else None
-    if text_format is not None and text_format.type != "text":
-        raise InvalidRequest(
-            f"text.format {text_format.type!r} is not supported yet (only 'text')",
-            param="text.format",
-        )
     if request.truncation == "auto":
         raise InvalidRequest(
             "truncation 'auto' is not supported: this server never drops input items "

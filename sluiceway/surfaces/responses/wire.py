@@ -11,7 +11,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import Discriminator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, Tag
+from pydantic import (
+    Discriminator,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    Tag,
+    model_validator,
+)
 
 from sluiceway.surfaces.wire import LenientModel, StrictModel
 
@@ -263,7 +272,21 @@ class ReasoningConfig(LenientModel):
 
 
 class TextFormat(LenientModel):
+    """``text.format``: free text, any JSON object, or JSON that matches
+    ``schema`` (``name``, ``description`` and ``strict`` are echoed; the
+    schema is always enforced)."""
+
     type: Literal["text", "json_schema", "json_object"]
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> TextFormat:
+        if self.type == "json_schema" and (self.schema_ is None or not self.name):
+            raise ValueError("a json_schema format needs a name and a schema")
+        return self
 
 
 class TextConfig(LenientModel):
