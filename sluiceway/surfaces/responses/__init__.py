@@ -7,6 +7,7 @@
   (the handler)
 - encoders: ``items.py`` (deltas -> output items, sans-IO), ``encoder.py``
   (the event stream and the whole reply)
+- structured output: ``text_format.py`` (``text.format`` -> a constraint)
 - the error renderer: ``errors.py`` (OpenAI's body); the API key:
   ``Authorization: Bearer``
 """
