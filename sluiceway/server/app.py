@@ -48,6 +48,7 @@ from sluiceway.surfaces.base import (
 )
 from sluiceway.surfaces.openai import OpenAIOptions, OpenAISurface
 from sluiceway.surfaces.tokens import TokensSurface
+from sluiceway.surfaces.responses import ResponsesSurface
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ def surfaces(config: ServerConfig) -> tuple[Surface, ...]:
         ),
         TokensSurface(),
         AnthropicSurface(),
+        ResponsesSurface(),
     )
 
 
