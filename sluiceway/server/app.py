@@ -47,8 +47,8 @@ from sluiceway.surfaces.base import (
     WhenHeaders,
 )
 from sluiceway.surfaces.openai import OpenAIOptions, OpenAISurface
-from sluiceway.surfaces.tokens import TokensSurface
 from sluiceway.surfaces.responses import ResponsesSurface
+from sluiceway.surfaces.tokens import TokensSurface
 
 logger = logging.getLogger(__name__)
 
