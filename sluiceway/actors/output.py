@@ -211,7 +211,7 @@ class RequestOutputs:
             return [_prompt_logprobs(message, self._config, self._entries)]
         if isinstance(message, RequestFailed):
             self.ended = True  # no usage follows a failure
-            return [Failed(message=message.message)]
+            return [Failed(message=message.message, cause=message.cause)]
         return []
 
     def close(self) -> list[EmitterEvent]:

@@ -19,6 +19,18 @@ reducer when it is wired) and are fanned out to each request's output
 channel. Rows that finish, and requests that are cancelled, leave before the
 next step. Engine state is only touched from that worker thread, one call at
 a time.
+
+Pacing. A request whose reader falls behind (its output mailbox is ``full``)
+is left out of the decode until its reader catches up (a ``Resume`` command
+wakes the scheduler); its rows keep their KV cache. The others decode as if
+it were not there. A request paused for longer than ``stall_timeout`` ends
+(``FailureCause.STALLED``) and frees its rows.
+
+Engine loss. An engine that can die and be restarted (``Restartable``: one
+in a child process) is checked when a step fails, and while the scheduler
+waits; once it is gone every request fails (``FailureCause.ENGINE``), new
+submissions are refused (``ServiceUnavailable``) and the engine is restarted,
+a bounded number of times.
 """
 
 from __future__ import annotations
@@ -26,9 +38,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import anyio
 import numpy as np
@@ -45,10 +59,12 @@ from sluiceway.actors.engine_work import (
 )
 from sluiceway.actors.run_ahead import SteppingThread
 from sluiceway.engines.base import Engine
-from sluiceway.protocol.errors import Overloaded
+from sluiceway.protocol.errors import Overloaded, ServiceUnavailable
 from sluiceway.protocol.messages import (
+    Backlog,
     Cancel,
     ConstraintReport,
+    FailureCause,
     FinishCause,
     FinishChoice,
     GenerationRequest,
@@ -57,6 +73,7 @@ from sluiceway.protocol.messages import (
     PromptScores,
     RequestFailed,
     RequestOutput,
+    Resume,
     Row,
     SampledStep,
     SchedulerCommand,
@@ -70,12 +87,35 @@ from sluiceway.protocol.messages import (
 logger = logging.getLogger(__name__)
 
 
+#: How often an idle scheduler checks that a restartable engine still lives.
+LIVENESS_POLL_SECONDS = 1.0
+#: Restarts of a lost engine before the scheduler gives up (and /health says so).
+RESTART_ATTEMPTS = 3
+RESTART_BACKOFF_SECONDS = 1.0
+
+
+@runtime_checkable
+class Restartable(Protocol):
+    """An engine that can be lost and started again (one in a child process)."""
+
+    @property
+    def alive(self) -> bool: ...
+
+    def restart(self) -> None:
+        """Start a fresh engine (blocking: it loads the model); raises on failure."""
+        ...
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
     eos_ids: frozenset[int]
     max_num_seqs: int = 32
     max_queued_requests: int = 256
     prefill_chunk_tokens: int = 2048
+    #: A request paused this long by a reader that does not keep up ends (None: never).
+    stall_timeout: float | None = None
+    #: Called with each request's seconds in the queue, when it is admitted.
+    on_admitted: Callable[[float], None] | None = None
 
 
 @dataclass(slots=True)
@@ -96,6 +136,9 @@ class _Request:
     slots: tuple[int, ...] = ()
     prefilled: int = 0
     scores: list[TokenLogprob | None] | None = None
+    arrived: float = field(default_factory=time.monotonic)
+    #: Since when its reader has been too far behind (None: it keeps up).
+    paused_since: float | None = None
 
     @property
     def spec(self) -> GenerationRequest:
@@ -116,17 +159,39 @@ class SchedulerHandle:
         self.running_rows = 0
         #: Rows not reserved by a running or prefilling request, as of the last step.
         self.free_rows = config.max_num_seqs
+        #: Tokens held in the running rows' KV caches (prompt and generated).
+        self.cached_tokens = 0
+        #: Requests whose reader is too far behind (their rows wait).
+        self.paused_requests = 0
+        #: False while the engine is lost (being restarted, or given up on).
+        self.engine_available = True
+        #: Why new requests are refused (the server draining), if they are.
+        self.refusal: str | None = None
 
-    def submit(self, request: GenerationRequest, output: Outbox[RequestOutput]) -> None:
+    def submit(
+        self,
+        request: GenerationRequest,
+        output: Outbox[RequestOutput],
+        *,
+        backlog: Backlog | None = None,
+    ) -> None:
+        if self.refusal is not None:
+            raise ServiceUnavailable(self.refusal)
+        if not self.engine_available:
+            raise ServiceUnavailable("the engine is restarting; retry shortly")
         # Requests that free rows will take at once do not count as waiting.
         waiting = self.queued - self.free_rows
         if waiting >= self._config.max_queued_requests:
             raise Overloaded(f"the server has {waiting} requests waiting, its limit; retry shortly")
         self.queued += 1
-        self._inbox.send_nowait(Submit(request=request, output=output))
+        self._inbox.send_nowait(Submit(request=request, output=output, backlog=backlog))
 
     def cancel(self, request_id: str) -> None:
         self._send(Cancel(request_id=request_id))
+
+    def resume(self, request_id: str) -> None:
+        """The request's reader caught up: its rows may decode again."""
+        self._send(Resume(request_id=request_id))
 
     def close(self) -> None:
         """No more submissions: the scheduler returns once its inbox is drained."""
@@ -165,6 +230,7 @@ class Scheduler:
             if isinstance(engine, StepChannel)
             else SteppingThread(engine, thread).start
         )
+        self._restartable = engine if isinstance(engine, Restartable) else None
         self._config = config
         self._handle = handle
         self._waiting: deque[_Request] = deque()
@@ -186,19 +252,20 @@ class Scheduler:
                 step: tuple[StepPlan, PendingStep] | None = None
                 while True:
                     if step is None:
-                        if not self._busy():
-                            try:
-                                self._handle_command(await inbox.receive())
-                            except anyio.EndOfStream:
-                                return
                         self._drain(inbox)
                         step = self._start(self._plan())
                         if step is None:
                             self._publish_counters()
+                            if not await self._wait(inbox):
+                                return
                             continue
                     plan, running = step
-                    batch = self._absorb(plan, await running.result())
+                    outcome = await running.result()
+                    batch = self._absorb(plan, outcome)
                     step = None
+                    if _failed(outcome) and self._engine_lost():
+                        await self._recover()
+                        continue
                     if batch.greedy is not None:
                         # The engine picked the tokens: start the next step
                         # before fanning this one out, so the engine never
@@ -216,6 +283,62 @@ class Scheduler:
                         self._close(request)
                     plan = StepPlan(frees=self._take_frees())
                     await self._start_step(plan).result()
+
+    async def _wait(self, inbox: MemoryObjectReceiveStream[SchedulerCommand]) -> bool:
+        """Nothing to do: wait for a command (False once the inbox is closed),
+        waking to end stalled requests and to check that the engine lives."""
+        with anyio.move_on_after(self._wait_limit()):
+            try:
+                self._handle_command(await inbox.receive())
+            except anyio.EndOfStream:
+                return False
+        if self._engine_lost():
+            await self._recover()
+        return True
+
+    def _wait_limit(self) -> float:
+        limit = math.inf
+        timeout = self._config.stall_timeout
+        if timeout is not None:
+            for request in self._requests.values():
+                if request.paused_since is not None:
+                    limit = min(limit, request.paused_since + timeout - time.monotonic())
+        if self._restartable is not None:
+            limit = min(limit, LIVENESS_POLL_SECONDS)
+        return max(limit, 0.0)
+
+    # --- engine loss --------------------------------------------------------
+
+    def _engine_lost(self) -> bool:
+        return self._restartable is not None and not self._restartable.alive
+
+    async def _recover(self) -> None:
+        """Fail every request, then restart the engine (a few times at most)."""
+        engine = self._restartable
+        assert engine is not None
+        self._handle.engine_available = False
+        for request in list(self._requests.values()):
+            self._fail(request, "the engine process was lost")
+        self._to_free.clear()  # those slots died with the engine
+        self._publish_counters()
+        for attempt in range(1, RESTART_ATTEMPTS + 1):
+            logger.error(
+                "the engine process is gone; restarting it (attempt %d of %d)",
+                attempt,
+                RESTART_ATTEMPTS,
+            )
+            try:
+                await anyio.to_thread.run_sync(engine.restart)
+            except Exception:
+                logger.exception("the engine process did not restart")
+                await anyio.sleep(RESTART_BACKOFF_SECONDS * attempt)
+                continue
+            logger.info("the engine process is back")
+            self._handle.engine_available = True
+            return
+        logger.critical("the engine process could not be restarted; not serving")
+        # Stays unavailable: /health answers 503 so that a supervisor restarts us.
+        self._restartable = None
 
     # --- commands ---------------------------------------------------------
 
@@ -237,6 +360,8 @@ class Scheduler:
             return  # already finished
         if isinstance(command, Cancel):
             self._close(request)
+        elif isinstance(command, Resume):
+            pass  # the next plan sees its backlog drained
         elif (choice := request.choices.get(command.choice)) is not None:
             self._drop_choice(request, choice)
 
@@ -246,9 +371,6 @@ class Scheduler:
         if plan is None:
             return None
         return plan, self._start_step(plan)
-
-    def _busy(self) -> bool:
-        return bool(self._rows or self._prefilling or self._to_free) or self._can_admit()
 
     def _reserved_rows(self) -> int:
         return len(self._rows) + sum(r.spec.n for r in self._prefilling)
@@ -273,7 +395,7 @@ class Scheduler:
             work = self._next_chunk(request, budget)
             budget -= len(work.tokens)
             prefills.append(work)
-        decoding = [c for c in self._rows.values() if c.generated > 0]
+        decoding = self._decoding()
         decode = {c.slot: c.last_token for c in decoding}
         frees = self._take_frees()
         if not (frees or prefills or decode):
@@ -284,8 +406,41 @@ class Scheduler:
         )
         return StepPlan(frees=frees, prefills=tuple(prefills), decode=decode, greedy=greedy)
 
+    def _decoding(self) -> list[_Choice]:
+        """The rows to decode: every running row whose reader keeps up.
+        Requests paused past the stall timeout end here."""
+        rows = []
+        stalled: list[_Request] = []
+        for choice in self._rows.values():
+            if choice.generated == 0:
+                continue
+            request = choice.request
+            backlog = request.submit.backlog
+            if backlog is not None and backlog.full:
+                if request.paused_since is None:
+                    request.paused_since = time.monotonic()
+                elif self._stalled(request):
+                    stalled.append(request)
+                continue
+            request.paused_since = None
+            rows.append(choice)
+        for request in stalled:
+            if request.spec.request_id in self._requests:
+                logger.warning(
+                    "request %s stalled: its client stopped reading", request.spec.request_id
+                )
+                self._fail(request, "the client stopped reading", FailureCause.STALLED)
+        return rows
+
+    def _stalled(self, request: _Request) -> bool:
+        timeout = self._config.stall_timeout
+        since = request.paused_since
+        return timeout is not None and since is not None and time.monotonic() - since >= timeout
+
     def _admit(self, request: _Request) -> _Request:
         self._handle.queued -= 1
+        if self._config.on_admitted is not None:
+            self._config.on_admitted(time.monotonic() - request.arrived)
         request.slots = tuple(self._new_slot() for _ in range(request.spec.n))
         if request.spec.logprobs.prompt_top is not None:
             request.scores = [None]
@@ -491,8 +646,10 @@ class Scheduler:
             self._to_free += request.slots
         request.submit.output.close()
 
-    def _fail(self, request: _Request, message: str) -> None:
-        self._deliver(request, RequestFailed(message=message))
+    def _fail(
+        self, request: _Request, message: str, cause: FailureCause = FailureCause.ENGINE
+    ) -> None:
+        self._deliver(request, RequestFailed(message=message, cause=cause))
         self._close(request)
 
     def _take_frees(self) -> tuple[int, ...]:
@@ -500,9 +657,15 @@ class Scheduler:
         return frees
 
     def _publish_counters(self) -> None:
-        self._handle.running_requests = len(self._requests) - len(self._waiting)
-        self._handle.running_rows = len(self._rows)
-        self._handle.free_rows = max(0, self._config.max_num_seqs - self._reserved_rows())
+        handle = self._handle
+        handle.running_requests = len(self._requests) - len(self._waiting)
+        handle.running_rows = len(self._rows)
+        handle.free_rows = max(0, self._config.max_num_seqs - self._reserved_rows())
+        paused = {c.request.spec.request_id for c in self._rows.values() if c.request.paused_since}
+        handle.paused_requests = len(paused)
+        handle.cached_tokens = sum(
+            len(c.request.spec.prompt_ids) + c.generated for c in self._rows.values()
+        ) + sum(r.prefilled for r in self._prefilling)
 
     def _new_slot(self) -> int:
         self._next_slot += 1
@@ -536,6 +699,10 @@ class _Batch:
     def logits(self) -> np.ndarray:
         # The usual step is one decode block, passed on without a copy.
         return self.blocks[0] if len(self.blocks) == 1 else np.concatenate(self.blocks)
+
+
+def _failed(outcome: StepOutcome) -> bool:
+    return outcome.decode_error is not None or any(p.error for p in outcome.prefills)
 
 
 def _starts_plain(spec: GenerationRequest) -> bool:

@@ -17,10 +17,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sluiceway.protocol.errors import ApiError
-from sluiceway.surfaces.base import ErrorResponse, Headers, SurfaceHandler
+from sluiceway.surfaces.base import ErrorResponse, Headers, Operation, SurfaceHandler
 from sluiceway.surfaces.openai import chat, completions, models
+from sluiceway.surfaces.openai.chat_wire import ChatChunk, ChatCompletion, ChatRequest
+from sluiceway.surfaces.openai.completions_wire import Completion, CompletionRequest
 from sluiceway.surfaces.openai.errors import render_error
 from sluiceway.surfaces.openai.fields import OpenAIOptions
+from sluiceway.surfaces.openai.wire import ErrorBody, ModelCard, ModelList
 
 __all__ = ["OpenAIOptions", "OpenAISurface"]
 
@@ -38,6 +41,34 @@ class OpenAISurface:
             "/v1/models/{model}": {"GET": models.model},
             "/v1/chat/completions": {"POST": functools.partial(chat.handle, self.options)},
             "/v1/completions": {"POST": functools.partial(completions.handle, self.options)},
+        }
+
+    def operations(self) -> Mapping[str, Mapping[str, Operation]]:
+        return {
+            "/v1/models": {
+                "GET": Operation(summary="List models", response=ModelList, error=ErrorBody)
+            },
+            "/v1/models/{model}": {
+                "GET": Operation(summary="Retrieve a model", response=ModelCard, error=ErrorBody)
+            },
+            "/v1/chat/completions": {
+                "POST": Operation(
+                    summary="Create a chat completion",
+                    request=ChatRequest,
+                    response=ChatCompletion,
+                    event=ChatChunk,
+                    error=ErrorBody,
+                )
+            },
+            "/v1/completions": {
+                "POST": Operation(
+                    summary="Create a completion",
+                    request=CompletionRequest,
+                    response=Completion,
+                    event=Completion,
+                    error=ErrorBody,
+                )
+            },
         }
 
     def render_error(self, error: ApiError) -> ErrorResponse:
