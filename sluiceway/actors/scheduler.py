@@ -21,10 +21,14 @@ next step. Engine state is only touched from that worker thread, one call at
 a time.
 
 Pacing. A request whose reader falls behind (its output mailbox is ``full``)
-is left out of the decode until its reader catches up (a ``Resume`` command
-wakes the scheduler); its rows keep their KV cache. The others decode as if
-it were not there. A request paused for longer than ``stall_timeout`` ends
-(``FailureCause.STALLED``) and frees its rows.
+leaves the batch: its rows are freed, their KV caches with them (the engines
+advance every running row together, so a row cannot sit out a step in
+place), and the others decode as if it were not there. When its reader has
+caught up (a ``Resume`` command wakes the scheduler) and a row is free, each
+of its choices is prefilled again with its prompt and the tokens it has
+generated (vLLM's preemption by recomputation) and rejoins the batch where
+it left off; restoring comes before admitting new requests. A request paused
+for longer than ``stall_timeout`` ends (``FailureCause.STALLED``).
 
 Engine loss. An engine that can die and be restarted (``Restartable``: one
 in a child process) is checked when a step fails, and while the scheduler
@@ -126,6 +130,19 @@ class _Choice:
     generated: int = 0
     last_token: int = -1
     row: Row | None = None
+    #: The ids generated so far (to rebuild the KV cache after a pause).
+    ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Restore:
+    """A paused choice being prefilled back into a new slot."""
+
+    choice: _Choice
+    slot: int
+    tokens: tuple[int, ...]
+    #: Tokens prefilled so far.
+    done: int = 0
 
 
 @dataclass(slots=True)
@@ -237,6 +254,9 @@ class Scheduler:
         self._prefilling: list[_Request] = []
         self._requests: dict[str, _Request] = {}
         self._rows: dict[int, _Choice] = {}
+        #: Choices out of the batch because their reader fell behind.
+        self._paused: list[_Choice] = []
+        self._restoring: dict[int, _Restore] = {}
         self._to_free: list[int] = []
         self._next_slot = 0
         self._step = 0
@@ -320,6 +340,7 @@ class Scheduler:
         for request in list(self._requests.values()):
             self._fail(request, "the engine process was lost")
         self._to_free.clear()  # those slots died with the engine
+        self._restoring.clear()
         self._publish_counters()
         for attempt in range(1, RESTART_ATTEMPTS + 1):
             logger.error(
@@ -373,7 +394,8 @@ class Scheduler:
         return plan, self._start_step(plan)
 
     def _reserved_rows(self) -> int:
-        return len(self._rows) + sum(r.spec.n for r in self._prefilling)
+        reserved = len(self._rows) + len(self._restoring)
+        return reserved + sum(r.spec.n for r in self._prefilling)
 
     def _can_admit(self) -> bool:
         if not self._waiting:
@@ -382,6 +404,7 @@ class Scheduler:
         return reserved == 0 or reserved + self._waiting[0].spec.n <= self._config.max_num_seqs
 
     def _plan(self) -> StepPlan | None:
+        self._pause_lagging()
         budget = self._config.prefill_chunk_tokens
         prefills = []
         for request in self._prefilling:
@@ -390,12 +413,15 @@ class Scheduler:
             work = self._next_chunk(request, budget)
             budget -= len(work.tokens)
             prefills.append(work)
+        restores = self._plan_restores(budget)
+        budget -= sum(len(work.tokens) for work in restores)
+        prefills += restores
         while budget > 0 and self._can_admit():
             request = self._admit(self._waiting.popleft())
             work = self._next_chunk(request, budget)
             budget -= len(work.tokens)
             prefills.append(work)
-        decoding = self._decoding()
+        decoding = [c for c in self._rows.values() if c.generated > 0]
         decode = {c.slot: c.last_token for c in decoding}
         frees = self._take_frees()
         if not (frees or prefills or decode):
@@ -406,36 +432,80 @@ class Scheduler:
         )
         return StepPlan(frees=frees, prefills=tuple(prefills), decode=decode, greedy=greedy)
 
-    def _decoding(self) -> list[_Choice]:
-        """The rows to decode: every running row whose reader keeps up.
-        Requests paused past the stall timeout end here."""
-        rows = []
-        stalled: list[_Request] = []
-        for choice in self._rows.values():
-            if choice.generated == 0:
-                continue
-            request = choice.request
-            backlog = request.submit.backlog
-            if backlog is not None and backlog.full:
-                if request.paused_since is None:
-                    request.paused_since = time.monotonic()
-                elif self._stalled(request):
-                    stalled.append(request)
-                continue
-            request.paused_since = None
-            rows.append(choice)
-        for request in stalled:
-            if request.spec.request_id in self._requests:
+    # --- pacing -------------------------------------------------------------
+
+    def _pause_lagging(self) -> None:
+        """Take the rows of requests whose reader fell behind out of the
+        batch; end the requests paused past the stall timeout."""
+        lagging = [c for c in self._rows.values() if c.generated > 0 and _lags(c.request)]
+        for choice in lagging:
+            self._rows.pop(choice.slot)
+            self._to_free.append(choice.slot)
+            self._paused.append(choice)
+            if choice.request.paused_since is None:
+                choice.request.paused_since = time.monotonic()
+        if not self._paused:
+            return
+        for request in {c.request.spec.request_id: c.request for c in self._paused}.values():
+            if self._stalled(request):
                 logger.warning(
                     "request %s stalled: its client stopped reading", request.spec.request_id
                 )
                 self._fail(request, "the client stopped reading", FailureCause.STALLED)
-        return rows
 
     def _stalled(self, request: _Request) -> bool:
         timeout = self._config.stall_timeout
         since = request.paused_since
         return timeout is not None and since is not None and time.monotonic() - since >= timeout
+
+    def _plan_restores(self, budget: int) -> list[PrefillWork]:
+        """Prefill work that brings paused choices back, once their reader
+        caught up: those under way first, then new ones while rows are free."""
+        for choice in list(self._paused):
+            if _lags(choice.request):
+                continue
+            if self._reserved_rows() >= self._config.max_num_seqs:
+                break
+            self._paused.remove(choice)
+            choice.request.paused_since = None
+            tokens = choice.request.spec.prompt_ids + tuple(choice.ids[:-1])
+            slot = self._new_slot()
+            self._restoring[slot] = _Restore(choice, slot, tokens)
+        works = []
+        for restore in self._restoring.values():
+            if budget <= 0:
+                break
+            end = min(len(restore.tokens), restore.done + budget)
+            if end == restore.done:
+                continue  # the last chunk is under way
+            works.append(
+                PrefillWork(
+                    request_id=restore.choice.request.spec.request_id,
+                    slot=restore.slot,
+                    tokens=restore.tokens[restore.done : end],
+                    final=False,
+                )
+            )
+            budget -= end - restore.done
+            restore.done = end
+        return works
+
+    def _restored(self, work: PrefillWork, error: str | None) -> None:
+        """A restore's chunk came back; after the last, the choice rejoins."""
+        restore = self._restoring.get(work.slot)
+        if restore is None:
+            return
+        request = restore.choice.request
+        if error is not None:
+            self._restoring.pop(work.slot)
+            self._to_free.append(work.slot)
+            if request.spec.request_id in self._requests:
+                self._fail(request, error)
+            return
+        if restore.done == len(restore.tokens):  # that was the last chunk
+            self._restoring.pop(work.slot)
+            restore.choice.slot = work.slot
+            self._rows[work.slot] = restore.choice
 
     def _admit(self, request: _Request) -> _Request:
         self._handle.queued -= 1
@@ -470,6 +540,9 @@ class Scheduler:
         """Bring the step's results in; return the rows to sample, with logits."""
         rows = _Batch()
         for work, result in zip(plan.prefills, outcome.prefills, strict=True):
+            if work.slot in self._restoring:
+                self._restored(work, result.error)
+                continue
             request = self._requests.get(work.request_id)
             if request is None:
                 continue
@@ -577,6 +650,7 @@ class Scheduler:
             token = int(token)
             choice.generated += 1
             choice.last_token = token
+            choice.ids.append(token)
             finish = self._finish_cause(choice, token, grammar_complete=index in complete)
             sample = TokenSample(
                 choice=choice.index, token_id=token, logprob=logprob, finish=finish
@@ -644,6 +718,10 @@ class Scheduler:
         if request in self._prefilling:
             self._prefilling.remove(request)
             self._to_free += request.slots
+        self._paused = [c for c in self._paused if c.request is not request]
+        for slot in [s for s, r in self._restoring.items() if r.choice.request is request]:
+            del self._restoring[slot]
+            self._to_free.append(slot)
         request.submit.output.close()
 
     def _fail(
@@ -661,8 +739,7 @@ class Scheduler:
         handle.running_requests = len(self._requests) - len(self._waiting)
         handle.running_rows = len(self._rows)
         handle.free_rows = max(0, self._config.max_num_seqs - self._reserved_rows())
-        paused = {c.request.spec.request_id for c in self._rows.values() if c.request.paused_since}
-        handle.paused_requests = len(paused)
+        handle.paused_requests = len({c.request.spec.request_id for c in self._paused})
         handle.cached_tokens = sum(
             len(c.request.spec.prompt_ids) + c.generated for c in self._rows.values()
         ) + sum(r.prefilled for r in self._prefilling)
@@ -699,6 +776,12 @@ class _Batch:
     def logits(self) -> np.ndarray:
         # The usual step is one decode block, passed on without a copy.
         return self.blocks[0] if len(self.blocks) == 1 else np.concatenate(self.blocks)
+
+
+def _lags(request: _Request) -> bool:
+    """Whether the request's reader is too far behind."""
+    backlog = request.submit.backlog
+    return backlog is not None and backlog.full
 
 
 def _failed(outcome: StepOutcome) -> bool:
