@@ -76,6 +76,8 @@ class ProcessEngine:
         self._info: EngineInfo = self._spawn()
 
     def _spawn(self) -> EngineInfo:
+        #: The pipe broke: the child is gone, even before it can be reaped.
+        self._broken = False
         # spawn, not fork: the parent may already hold threads and a torch
         # or mlx runtime, which do not survive a fork.
         context = multiprocessing.get_context("spawn")
@@ -99,7 +101,7 @@ class ProcessEngine:
 
     @property
     def alive(self) -> bool:
-        return self._process.is_alive()
+        return not self._broken and self._process.is_alive()
 
     @property
     def pid(self) -> int | None:
@@ -156,12 +158,14 @@ class ProcessEngine:
         try:
             self._conn.send((method, args, kwargs))
         except OSError as error:
+            self._broken = True
             raise EngineProcessError(f"the engine process is gone ({error})") from error
 
     def _receive(self) -> Any:
         try:
             status, value = self._conn.recv()
         except (EOFError, OSError) as error:
+            self._broken = True
             code = self._process.exitcode
             raise EngineProcessError(f"the engine process is gone (exit code {code})") from error
         if status == "error":
