@@ -5,7 +5,7 @@ requests are refused. The scheduler against the fake engine."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import anyio
@@ -39,6 +39,13 @@ def submit_paced(
 
 def tokens(messages: list[RequestOutput]) -> int:
     return sum(len(m.samples) for m in messages if isinstance(m, StepOutput))
+
+
+async def until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
+    """Poll the scheduler's counters (they have no event to wait on)."""
+    with anyio.fail_after(seconds):
+        while not condition():  # noqa: ASYNC110
+            await anyio.sleep(0.02)
 
 
 def drain(reader: MailboxReader[RequestOutput]) -> list[RequestOutput]:
@@ -91,9 +98,7 @@ async def test_a_request_paused_past_the_stall_timeout_ends_and_frees_its_rows()
         await anyio.sleep(0.1)
         # Paused: out of the batch (its KV cache freed), still running.
         assert (handle.paused_requests, handle.running_rows, handle.running_requests) == (1, 0, 1)
-        with anyio.fail_after(5):
-            while handle.running_requests:
-                await anyio.sleep(0.02)
+        await until(lambda: handle.running_requests == 0)
         assert time.monotonic() - started >= 0.3
         messages = drain(stalled)
         assert messages[-1] == RequestFailed(
@@ -141,9 +146,7 @@ async def test_a_lost_engine_fails_its_requests_refuses_new_ones_and_restarts() 
         assert not handle.engine_available
         with pytest.raises(ServiceUnavailable):
             submit(handle, request("b", [1]))
-        with anyio.fail_after(5):
-            while not handle.engine_available:
-                await anyio.sleep(0.02)
+        await until(lambda: handle.engine_available)
         assert engine.restarts == 1
         after = await collect(submit(handle, request("c", [1], max_tokens=5)))
         assert tokens(after) == 5
@@ -159,6 +162,8 @@ async def test_mailbox_reports_full_until_its_reader_catches_up_halfway() -> Non
     assert send.full
     receive.receive_nowait()
     receive.receive_nowait()
-    assert send.full and not drained  # 3 wait: still more than half of the limit
+    assert send.full  # 3 wait: still more than half of the limit
+    assert not drained
     receive.receive_nowait()
-    assert not send.full and drained == [True]
+    assert not send.full
+    assert drained == [True]
