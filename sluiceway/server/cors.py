@@ -47,15 +47,15 @@ class Cors:
         ]
 
     def preflight(self, method: str, headers: Headers) -> list[tuple[bytes, bytes]] | None:
-        """The headers of a 204 answering a preflight, or None if this is not
-        one the server answers."""
+        """The headers of a 204 answering a preflight (beside
+        :meth:`reply_headers`, which every reply gets), or None if this is
+        not one the server answers."""
         if method != "OPTIONS" or _header(headers, b"access-control-request-method") is None:
             return None
         if self.allowed(headers) is None:
             return None
         asked = _header(headers, b"access-control-request-headers") or b""
         return [
-            *self.reply_headers(headers),
             (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
             (b"access-control-allow-headers", asked),
             (b"access-control-max-age", MAX_AGE_SECONDS),
