@@ -1,4 +1,5 @@
-"""A loopback load generator: closed-loop, streaming ``/v1/completions`` clients.
+"""A loopback load generator: closed-loop, streaming ``/v1/completions`` clients
+(or ``/v1/chat/completions``, or ``/inference/v1/generate`` with token ids).
 
 ``concurrency`` clients each send ``requests_per_client`` requests one after
 the other (a new one as soon as the last finished), every request streamed,
@@ -33,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Literal
 from urllib.parse import urlsplit
 
 import httpx
@@ -49,6 +51,21 @@ class Target:
     ignore_eos: bool = True
     #: Send ``stream_options.include_usage`` (else rely on a usage the server sends anyway).
     include_usage: bool = True
+    #: Which endpoint: a text prompt to ``/v1/completions``, or as a user
+    #: message to ``/v1/chat/completions``; token ids to ``/inference/v1/generate``.
+    api: Literal["completions", "chat", "generate"] = "completions"
+    #: More fields for every request's body (``structured_outputs``, say).
+    extra: tuple[tuple[str, object], ...] = ()
+
+
+#: A request's prompt: text, or token ids for ``/inference/v1/generate``.
+Prompt = str | list[int]
+
+PATHS = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "generate": "/inference/v1/generate",
+}
 
 
 @dataclass(slots=True)
@@ -285,26 +302,32 @@ def sse_events(pieces: Pieces) -> Iterator[tuple[float, bytes]]:
                     yield arrived, line[5:].strip()
 
 
-def stream_one(
-    connection: Connection, target: Target, prompt: str, max_tokens: int, time_limit: float
-) -> Sample:
-    body: dict[str, object] = {
-        "model": target.model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-    }
+def request_body(target: Target, prompt: Prompt, max_tokens: int) -> dict[str, object]:
+    """A greedy streamed request of ``max_tokens`` for the target's endpoint."""
+    sampling: dict[str, object] = {"max_tokens": max_tokens, "temperature": 0}
     if target.ignore_eos:
-        body["ignore_eos"] = True
+        sampling["ignore_eos"] = True
+    body: dict[str, object] = {"model": target.model, "stream": True}
     if target.include_usage:
         body["stream_options"] = {"include_usage": True}
+    if target.api == "generate":
+        return body | {"token_ids": prompt, "sampling_params": sampling}
+    if target.api == "chat":
+        return body | {"messages": [{"role": "user", "content": prompt}]} | sampling
+    return body | {"prompt": prompt} | sampling
+
+
+def stream_one(
+    connection: Connection, target: Target, prompt: Prompt, max_tokens: int, time_limit: float
+) -> Sample:
+    body = request_body(target, prompt, max_tokens) | dict(target.extra)
     payload = json.dumps(body).encode()
     sample = Sample(sent=time.perf_counter())
     pieces: Pieces = []
+    path = PATHS[target.api]
     for attempt in range(CONNECT_RETRIES + 1):
         try:
-            pieces = _exchange(sample, connection, payload, sample.sent + time_limit)
+            pieces = _exchange(sample, connection, path, payload, sample.sent + time_limit)
             break
         except NoResponse as error:
             sample.error = str(error)[:200]
@@ -325,11 +348,13 @@ def stream_one(
     return sample
 
 
-def _exchange(sample: Sample, connection: Connection, payload: bytes, deadline: float) -> Pieces:
+def _exchange(
+    sample: Sample, connection: Connection, path: str, payload: bytes, deadline: float
+) -> Pieces:
     """One attempt: the body's pieces, or ``sample.error`` set. Raises
     :class:`NoResponse` when the server did not answer (it may be retried)."""
     try:
-        reply = connection.post("/v1/completions", payload, deadline)
+        reply = connection.post(path, payload, deadline)
         sample.error = None
         pieces = reply.body()
         if reply.status != 200:
@@ -363,11 +388,22 @@ def _read_events(sample: Sample, pieces: Pieces) -> None:
             for choice in chunk.get("choices") or ():
                 if choice.get("finish_reason"):
                     sample.finished = True
-                elif choice.get("text") is not None:
+                elif _carries_output(choice):
                     sample.arrivals.append(arrived)
     except (ValueError, KeyError, TypeError) as error:
         # ValueError covers json.JSONDecodeError.
         sample.error = f"{type(error).__name__}: {error}"[:200]
+
+
+def _carries_output(choice: dict[str, object]) -> bool:
+    """Whether a streamed choice carries output: completion text (even empty,
+    as the other servers send it), token ids, or chat text."""
+    if choice.get("text") is not None or choice.get("token_ids"):
+        return True
+    delta = choice.get("delta")
+    return isinstance(delta, dict) and any(
+        delta.get(key) for key in ("content", "reasoning_content", "reasoning")
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,7 +475,7 @@ class Level:
 
 async def run_level(
     target: Target,
-    prompts: Iterator[str],
+    prompts: Iterator[Prompt],
     *,
     concurrency: int,
     requests_per_client: int,
@@ -450,7 +486,7 @@ async def run_level(
     requests, each client in a thread of its own (awaited, so that the caller's
     event loop keeps running)."""
 
-    def one_client(batch: Sequence[str]) -> list[Sample]:
+    def one_client(batch: Sequence[Prompt]) -> list[Sample]:
         connection = Connection(target.base_url)
         try:
             return [

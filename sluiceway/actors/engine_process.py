@@ -39,7 +39,7 @@ import numpy as np
 
 from sluiceway.actors.engine_work import PendingStep, StepOutcome, StepPlan, failed_step
 from sluiceway.actors.run_ahead import RunAhead
-from sluiceway.engines.base import DecodeResult, Engine, EngineInfo, Logits
+from sluiceway.engines.base import CacheOp, DecodeResult, Engine, EngineInfo, Logits
 from sluiceway.engines.loader import ModelSource, freeze_heap
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,9 @@ logger = logging.getLogger(__name__)
 #: How long a closing child gets to release its engine before it is killed.
 CLOSE_TIMEOUT_SECONDS = 10.0
 
-_METHODS = frozenset({"execute", "prefill", "fork", "decode", "free", "undo_decode"})
+_METHODS = frozenset(
+    {"execute", "prefill", "fork", "decode", "free", "undo_decode", "restore", "cache_op"}
+)
 
 
 class EngineProcessError(RuntimeError):
@@ -143,6 +145,12 @@ class ProcessEngine:
 
     def undo_decode(self) -> None:
         self._call("undo_decode")
+
+    def restore(self, slot: int, entries: Sequence[int], length: int) -> None:
+        self._call("restore", slot, tuple(entries), length)
+
+    def cache_op(self, op: CacheOp) -> None:
+        self._call("cache_op", op)
 
     def close(self) -> None:
         if self._process.is_alive():
@@ -304,7 +312,8 @@ def _for_pipe(plan: StepPlan, outcome: StepOutcome) -> StepOutcome | _GreedyDeco
     if not plan.greedy:
         return outcome
     decoded, greedy = outcome.decode, outcome.decode_greedy
-    if not outcome.prefills and decoded is not None and greedy is not None:
+    plain = not outcome.prefills and outcome.cache_error is None
+    if plain and decoded is not None and greedy is not None:
         return _GreedyDecode(decoded.slots, greedy.astype(np.int64, copy=False).tobytes())
     for prefilled in outcome.prefills:
         if prefilled.greedy is not None and prefilled.logits is not None:
@@ -315,5 +324,6 @@ def _for_pipe(plan: StepPlan, outcome: StepOutcome) -> StepOutcome | _GreedyDeco
             decode=DecodeResult(decoded.slots, decoded.logits[:, :0]),
             decode_error=outcome.decode_error,
             decode_greedy=greedy,
+            cache_error=outcome.cache_error,
         )
     return outcome

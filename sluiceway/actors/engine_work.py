@@ -29,7 +29,7 @@ import sniffio
 
 from sluiceway.actors.channels import event_factory
 from sluiceway.actors.logprobs import reduce_targets
-from sluiceway.engines.base import DecodeResult, Engine, Logits
+from sluiceway.engines.base import CacheOp, DecodeResult, Engine, KeepKV, Logits
 from sluiceway.protocol.messages import TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -175,7 +175,12 @@ class EngineThread:
 class PrefillWork:
     """One chunk of one prompt. ``targets`` are the prompt tokens that follow
     each position of the chunk, scored when ``top`` is set; ``forks`` are the
-    slots the prefilled slot is copied into after its final chunk."""
+    slots the prefilled slot is copied into after its final chunk.
+
+    Prefix cache: the first chunk of a prompt whose start is cached first
+    restores ``restore_length`` positions from the entries ``restore`` into
+    the slot; ``keep`` copies the slot's new positions into an entry after
+    the chunk."""
 
     request_id: str
     slot: int
@@ -184,13 +189,19 @@ class PrefillWork:
     top: int | None = None
     targets: tuple[int, ...] = ()
     forks: tuple[int, ...] = ()
+    restore: tuple[int, ...] = ()
+    restore_length: int = 0
+    keep: KeepKV | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepPlan:
     """``greedy``: every row sampled this step is plain greedy (no logprobs,
-    no bias or penalties), so the engine thread picks the tokens itself."""
+    no bias or penalties), so the engine thread picks the tokens itself.
+    ``cache_ops`` (prefix-cache edits, and copies of finished rows) run
+    first, before ``frees``."""
 
+    cache_ops: tuple[CacheOp, ...] = ()
     frees: tuple[int, ...] = ()
     prefills: tuple[PrefillWork, ...] = ()
     decode: Mapping[int, int] = field(default_factory=dict)
@@ -204,6 +215,8 @@ class PrefillOutcome:
     error: str | None = None
     #: The argmax of ``logits``, in a greedy step.
     greedy: npt.NDArray[np.int64] | None = None
+    #: The work's ``keep`` was carried out.
+    kept: bool = False
 
 
 @dataclass(slots=True)
@@ -213,6 +226,8 @@ class StepOutcome:
     decode_error: str | None = None
     #: The argmax of each decoded row, in a greedy step.
     decode_greedy: npt.NDArray[np.int64] | None = None
+    #: Why the plan's ``cache_ops`` did not all run.
+    cache_error: str | None = None
 
 
 class PendingStep(Protocol):
@@ -234,15 +249,27 @@ def failed_step(plan: StepPlan, message: str) -> StepOutcome:
     return StepOutcome(
         prefills=[PrefillOutcome(error=message) for _ in plan.prefills],
         decode_error=message if plan.decode else None,
+        cache_error=message if plan.cache_ops else None,
     )
 
 
 def execute(engine: Engine, plan: StepPlan, *, decoded: DecodeResult | None = None) -> StepOutcome:
     """Carry out ``plan``. ``decoded``: the plan's decode, already run ahead
     of the plan (see :mod:`sluiceway.actors.run_ahead`)."""
+    cache_error = _edit_cache(engine, plan.cache_ops)
     for slot in plan.frees:
         engine.free(slot)
-    outcome = StepOutcome(prefills=[_prefill(engine, work) for work in plan.prefills])
+    outcome = StepOutcome(
+        prefills=[
+            # After a failed edit, an entry may hold other positions than
+            # the plan assumed: no restore in this step.
+            PrefillOutcome(error=cache_error)
+            if cache_error is not None and work.restore_length
+            else _prefill(engine, work)
+            for work in plan.prefills
+        ]
+    )
+    outcome.cache_error = cache_error
     if decoded is not None:
         outcome.decode = decoded
     elif plan.decode:
@@ -261,9 +288,25 @@ def execute(engine: Engine, plan: StepPlan, *, decoded: DecodeResult | None = No
     return outcome
 
 
+def _edit_cache(engine: Engine, ops: tuple[CacheOp, ...]) -> str | None:
+    """Apply every edit, even after one failed (the scheduler then forgets
+    the whole cache and drops every entry it knows of: the drops queued
+    before that must have run too). Returns the first failure."""
+    failure = None
+    for op in ops:
+        try:
+            engine.cache_op(op)
+        except Exception as error:
+            logger.exception("prefix cache edit %s failed", op)
+            failure = failure or f"prefix cache edit failed: {error}"
+    return failure
+
+
 def _prefill(engine: Engine, work: PrefillWork) -> PrefillOutcome:
     outcome = PrefillOutcome()
     try:
+        if work.restore_length:
+            engine.restore(work.slot, work.restore, work.restore_length)
         if work.top is None:
             logits = engine.prefill(work.slot, work.tokens)
         else:
@@ -279,4 +322,11 @@ def _prefill(engine: Engine, work: PrefillWork) -> PrefillOutcome:
     except Exception as error:  # reported to this request only
         logger.exception("prefill failed")
         outcome.error = f"prefill failed: {error}"
+        return outcome
+    if work.keep is not None:
+        try:
+            engine.cache_op(work.keep)
+            outcome.kept = True
+        except Exception:  # the request goes on; its tokens are just not cached
+            logger.exception("keeping a prefilled chunk in the prefix cache failed")
     return outcome

@@ -107,12 +107,14 @@ def reduce_rows(
 
 
 def reduce_targets(logits: FloatArray, targets: Sequence[int], top: int) -> list[TokenLogprob]:
-    """Logprob of ``targets[i]`` under ``logits[i]`` (plus the top ``top``),
-    for as many rows as there are targets."""
+    """Logprob of ``targets[i]`` under ``logits[i]`` (plus the top ``top``
+    and the target's rank), for as many rows as there are targets."""
     rows = logits[: len(targets)]
     if not len(targets):
         return []
     normaliser = log_normaliser(rows)
+    # 1 + how many ids score above the target (vLLM's rank), one pass per row.
+    ranks = (rows > rows[np.arange(len(targets)), np.asarray(targets)][:, None]).sum(axis=-1)
     entries = []
     for position, target in enumerate(targets):
         row = rows[position]
@@ -121,6 +123,7 @@ def reduce_targets(logits: FloatArray, targets: Sequence[int], top: int) -> list
             TokenLogprob(
                 logprob=_finite(float(row[int(target)]) - base),
                 top=tuple((int(t), _finite(float(row[t]) - base)) for t in top_k(row, top)),
+                rank=int(ranks[position]) + 1,
             )
         )
     return entries

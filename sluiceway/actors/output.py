@@ -3,9 +3,11 @@
 For each choice it runs the sans-IO text path (detokenizer -> reasoning ->
 stop -> tool calls -> chunk assembler) and turns the assembler's chunks into
 :class:`ChoiceDelta` messages, attaching the logprob entry of each token to
-the chunk the assembler chose for it. When a stop string ends a choice, it
-tells the scheduler so the row leaves the batch; tokens the scheduler produced
-for that choice in the meantime are not counted.
+the chunk the assembler chose for it (and, when asked, the token's id: see
+:meth:`ChoiceOutput._ids_for`). When a stop string ends a choice, it tells the
+scheduler so the row leaves the batch; tokens the scheduler produced for that
+choice in the meantime are not counted. The tokens surface takes the token
+path instead (``sluiceway.actors.token_output``): ids out as they come, no text.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from sluiceway.actors.channels import MailboxReader, put
+from sluiceway.actors.token_output import TokenChoiceOutput
 from sluiceway.parsers.assembler import Chunk
 from sluiceway.parsers.events import Channel
 from sluiceway.parsers.pipeline import ChoicePipeline
@@ -30,6 +33,7 @@ from sluiceway.protocol.messages import (
     Failed,
     FinishCause,
     LogprobEntry,
+    PromptCached,
     PromptLogprobs,
     PromptScores,
     RequestFailed,
@@ -61,6 +65,31 @@ class OutputConfig:
     logprobs: bool
     #: Keep the text of a stop token id in the output.
     include_stop_token_text: bool = False
+    #: Deltas carry their tokens' ids too (``return_token_ids``).
+    token_ids: bool = False
+    #: The token path: deltas carry ids and entries, no text, each id in the
+    #: step that produced it; ``make_pipeline`` then only matches stop strings.
+    ids_only: bool = False
+
+
+class ChoiceCore(Protocol):
+    """One choice's output: a sampled token in, its deltas out."""
+
+    def take(self, sample: TokenSample) -> tuple[list[ChoiceDelta], bool]:
+        """Feed one token; returns its deltas and whether a stop string ended the choice."""
+        ...
+
+    def abandon(self) -> list[ChoiceDelta]:
+        """The scheduler ended the request without finishing this choice."""
+        ...
+
+    @property
+    def tokens_fed(self) -> int:
+        """The tokens this choice counts (``usage.completion_tokens``)."""
+        ...
+
+    @property
+    def reasoning_tokens(self) -> int: ...
 
 
 class EntryFactory:
@@ -83,6 +112,7 @@ class EntryFactory:
                 for t, v in logprob.top
             ),
             requested=logprob.requested,
+            rank=logprob.rank,
         )
 
 
@@ -98,11 +128,25 @@ class ChoiceOutput:
     finished: bool = False
     called_tools: bool = False
     waiting: dict[int, LogprobEntry] = field(default_factory=dict)
+    #: ``return_token_ids``: the ids fed, and how many of them went out.
+    with_ids: bool = False
+    ids: list[int] = field(default_factory=list)
+    ids_sent: int = 0
+
+    @property
+    def tokens_fed(self) -> int:
+        return self.pipeline.tokens_fed
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.pipeline.channel_counts()[Channel.REASONING]
 
     def take(self, sample: TokenSample) -> tuple[list[ChoiceDelta], bool]:
         """Feed one token; returns its deltas and whether a stop string ended the choice."""
         if self.finished:
             return [], False  # generated after a stop string ended the choice
+        if self.with_ids:
+            self.ids.append(sample.token_id)
         position = self.pipeline.tokens_fed
         if self.with_logprobs and sample.logprob is not None:
             self.waiting[position] = self.entries.entry(sample.token_id, sample.logprob)
@@ -139,14 +183,41 @@ class ChoiceOutput:
                 finish=cause,
                 called_tools=self.called_tools,
                 matched_stop=matched,
+                token_ids=self._ids_up_to(len(self.ids)) if self.with_ids else (),
             )
         )
         return deltas
 
     def _deltas(self, chunks: list[Chunk] | tuple[Chunk, ...]) -> list[ChoiceDelta]:
-        return [self._delta(chunk) for chunk in chunks]
+        if not self.with_ids:
+            return [self._delta(chunk) for chunk in chunks]
+        return [self._delta(chunk, self._ids_for(chunk)) for chunk in chunks]
 
-    def _delta(self, chunk: Chunk) -> ChoiceDelta:
+    def _ids_for(self, chunk: Chunk) -> tuple[int, ...]:
+        """The ids a chunk carries (the ownership rule of docs/alignment.md):
+        every id not sent yet up to the last token whose entry rides with the
+        chunk. Those tokens' first characters are in it (or they are markup
+        the assembler attached), and ids go out in order, so the markup tokens
+        before them come along; the finishing delta takes the rest. So a chunk
+        never carries text whose owner's id is still to come, and a markup
+        token's id rides with the next chunk that carries a later token's
+        first character: the first chunk after the step that decided the
+        token had no text carries one, since text still to come belongs to
+        later tokens."""
+        last = -1
+        for tokens in (chunk.reasoning_tokens, chunk.content_tokens, chunk.tool_call_tokens):
+            if tokens and tokens[-1] > last:
+                last = tokens[-1]
+        return self._ids_up_to(last + 1)
+
+    def _ids_up_to(self, end: int) -> tuple[int, ...]:
+        if end <= self.ids_sent:
+            return ()
+        ids = tuple(self.ids[self.ids_sent : end])
+        self.ids_sent = end
+        return ids
+
+    def _delta(self, chunk: Chunk, token_ids: tuple[int, ...] = ()) -> ChoiceDelta:
         calls = tuple(
             ToolCallDelta(index=f.index, arguments=f.arguments, name=f.name)
             for f in chunk.tool_calls
@@ -172,6 +243,7 @@ class ChoiceOutput:
             reasoning=chunk.reasoning,
             tool_calls=calls,
             logprobs=logprobs,
+            token_ids=token_ids,
         )
 
     def _entries(self, tokens: tuple[int, ...]) -> tuple[LogprobEntry, ...]:
@@ -190,17 +262,28 @@ class RequestOutputs:
         self._config = config
         self._scheduler = scheduler
         self._entries = EntryFactory(config.table)
-        self._choices = [
-            ChoiceOutput(
-                index=config.index_offset + i,
-                pipeline=config.make_pipeline(),
-                entries=self._entries,
-                with_logprobs=config.logprobs,
+        self._choices = [self._choice(config.index_offset + i) for i in range(config.n)]
+        self._cached_tokens = 0
+        self.ended = False
+
+    def _choice(self, index: int) -> ChoiceCore:
+        config = self._config
+        if config.ids_only:
+            stops = config.make_pipeline()
+            return TokenChoiceOutput(
+                index=index,
+                stops=stops if stops.matches_stops else None,
+                entry=self._entries.entry if config.logprobs else None,
                 include_stop_token_text=config.include_stop_token_text,
             )
-            for i in range(config.n)
-        ]
-        self.ended = False
+        return ChoiceOutput(
+            index=index,
+            pipeline=config.make_pipeline(),
+            entries=self._entries,
+            with_logprobs=config.logprobs,
+            include_stop_token_text=config.include_stop_token_text,
+            with_ids=config.token_ids,
+        )
 
     def handle(self, message: RequestOutput) -> list[EmitterEvent]:
         if self.ended:
@@ -209,6 +292,9 @@ class RequestOutputs:
             return self._step(message)
         if isinstance(message, PromptScores):
             return [_prompt_logprobs(message, self._config, self._entries)]
+        if isinstance(message, PromptCached):
+            self._cached_tokens = message.tokens
+            return []
         if isinstance(message, RequestFailed):
             self.ended = True  # no usage follows a failure
             return [Failed(message=message.message, cause=message.cause)]
@@ -220,7 +306,9 @@ class RequestOutputs:
             return []
         self.ended = True
         leftovers = [delta for choice in self._choices for delta in choice.abandon()]
-        usage = Completed(usage=_usage(self._choices, len(self._config.prompt_ids)))
+        usage = Completed(
+            usage=_usage(self._choices, len(self._config.prompt_ids), self._cached_tokens)
+        )
         return [Deltas(deltas=tuple(leftovers)), usage] if leftovers else [usage]
 
     def _step(self, message: StepOutput) -> list[EmitterEvent]:
@@ -252,11 +340,12 @@ async def run(
                 await put(send, event)
 
 
-def _usage(choices: list[ChoiceOutput], prompt_tokens: int) -> Usage:
+def _usage(choices: list[ChoiceCore], prompt_tokens: int, cached_tokens: int) -> Usage:
     return Usage(
         prompt_tokens=prompt_tokens,
-        completion_tokens=sum(c.pipeline.tokens_fed for c in choices),
-        reasoning_tokens=sum(c.pipeline.channel_counts()[Channel.REASONING] for c in choices),
+        completion_tokens=sum(c.tokens_fed for c in choices),
+        reasoning_tokens=sum(c.reasoning_tokens for c in choices),
+        cached_tokens=cached_tokens,
     )
 
 

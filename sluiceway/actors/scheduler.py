@@ -13,6 +13,12 @@ engine-thread call (``engine_work.execute``, through
   running streams for more than one chunk;
 - decode every running row in one batched call.
 
+With the prefix cache on (``sluiceway.actors.prefix_cache``), an admitted
+request first takes the longest cached prefix of its prompt (copied into its
+slot in the step of its first chunk) and prefills only the rest; each chunk
+it prefills, and each row that finishes, is kept in the cache for later
+requests.
+
 The logits of rows whose prompt just completed and of the decoded rows go to
 the sampler as one step; the sampled ids come back (through the logprob
 reducer when it is wired) and are fanned out to each request's output
@@ -61,8 +67,9 @@ from sluiceway.actors.engine_work import (
     StepOutcome,
     StepPlan,
 )
+from sluiceway.actors.prefix_cache import Hold, PrefixCacheStats, PrefixIndex
 from sluiceway.actors.run_ahead import SteppingThread
-from sluiceway.engines.base import Engine
+from sluiceway.engines.base import Engine, EngineInfo, KeepKV
 from sluiceway.protocol.errors import Overloaded, ServiceUnavailable
 from sluiceway.protocol.messages import (
     Backlog,
@@ -74,6 +81,7 @@ from sluiceway.protocol.messages import (
     GenerationRequest,
     LogitsStep,
     Outbox,
+    PromptCached,
     PromptScores,
     RequestFailed,
     RequestOutput,
@@ -120,6 +128,8 @@ class SchedulerConfig:
     stall_timeout: float | None = None
     #: Called with each request's seconds in the queue, when it is admitted.
     on_admitted: Callable[[float], None] | None = None
+    #: What the prefix cache may hold, in bytes; 0 turns it off.
+    prefix_cache_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -130,6 +140,8 @@ class _Choice:
     generated: int = 0
     last_token: int = -1
     row: Row | None = None
+    #: Every token sampled, with the prefix cache on (to key the row's KV).
+    tokens: list[int] | None = None
     #: The ids generated so far (to rebuild the KV cache after a pause).
     ids: list[int] = field(default_factory=list)
 
@@ -156,6 +168,11 @@ class _Request:
     arrived: float = field(default_factory=time.monotonic)
     #: Since when its reader has been too far behind (None: it keeps up).
     paused_since: float | None = None
+    #: The prefix-cache path that holds the prompt's first tokens.
+    hold: Hold | None = None
+    #: Prompt tokens restored from the cache, and the entries to restore them from.
+    cached: int = 0
+    restore: tuple[int, ...] = ()
 
     @property
     def spec(self) -> GenerationRequest:
@@ -184,6 +201,8 @@ class SchedulerHandle:
         self.engine_available = True
         #: Why new requests are refused (the server draining), if they are.
         self.refusal: str | None = None
+        #: The prefix cache's counters, when it is on.
+        self.prefix_cache: PrefixCacheStats | None = None
 
     def submit(
         self,
@@ -260,6 +279,10 @@ class Scheduler:
         self._to_free: list[int] = []
         self._next_slot = 0
         self._step = 0
+        self._info = engine.info
+        self._prefix = _prefix_index(config, self._info)
+        if self._prefix is not None:
+            handle.prefix_cache = self._prefix.stats
 
     async def run(
         self,
@@ -341,6 +364,10 @@ class Scheduler:
             self._fail(request, "the engine process was lost")
         self._to_free.clear()  # those slots died with the engine
         self._restoring.clear()
+        if self._prefix is not None:
+            # The cached KV died with the engine too.
+            self._prefix = _prefix_index(self._config, self._info)
+            self._handle.prefix_cache = self._prefix.stats if self._prefix else None
         self._publish_counters()
         for attempt in range(1, RESTART_ATTEMPTS + 1):
             logger.error(
@@ -384,7 +411,7 @@ class Scheduler:
         elif isinstance(command, Resume):
             pass  # the next plan sees its backlog drained
         elif (choice := request.choices.get(command.choice)) is not None:
-            self._drop_choice(request, choice)
+            self._drop_choice(request, choice, keep=True)
 
     # --- planning -----------------------------------------------------------
 
@@ -424,13 +451,21 @@ class Scheduler:
         decoding = [c for c in self._rows.values() if c.generated > 0]
         decode = {c.slot: c.last_token for c in decoding}
         frees = self._take_frees()
-        if not (frees or prefills or decode):
+        # Taken last: keeping the chunks above may have evicted entries.
+        cache_ops = self._prefix.take_ops() if self._prefix is not None else ()
+        if not (cache_ops or frees or prefills or decode):
             return None
         starting = [self._requests[w.request_id] for w in prefills if w.final]
         greedy = all(self._row(c).plain for c in decoding) and all(
             _starts_plain(r.spec) for r in starting
         )
-        return StepPlan(frees=frees, prefills=tuple(prefills), decode=decode, greedy=greedy)
+        return StepPlan(
+            cache_ops=cache_ops,
+            frees=frees,
+            prefills=tuple(prefills),
+            decode=decode,
+            greedy=greedy,
+        )
 
     # --- pacing -------------------------------------------------------------
 
@@ -511,9 +546,18 @@ class Scheduler:
         self._handle.queued -= 1
         if self._config.on_admitted is not None:
             self._config.on_admitted(time.monotonic() - request.arrived)
-        request.slots = tuple(self._new_slot() for _ in range(request.spec.n))
-        if request.spec.logprobs.prompt_top is not None:
+        spec = request.spec
+        request.slots = tuple(self._new_slot() for _ in range(spec.n))
+        if spec.logprobs.prompt_top is not None:
             request.scores = [None]
+        if self._prefix is not None:
+            # The last prompt token is always prefilled: its logits pick the
+            # first token. A request for prompt logprobs reuses nothing, so
+            # that every position is scored; its prompt is still kept.
+            reuse = 0 if request.scores is not None else len(spec.prompt_ids) - 1
+            hold = request.hold = self._prefix.lookup(spec.prompt_ids, reuse)
+            request.prefilled = request.cached = hold.length
+            request.restore = hold.entries if hold.length else ()
         self._prefilling.append(request)
         return request
 
@@ -524,6 +568,7 @@ class Scheduler:
         request.prefilled = end
         final = end == len(prompt)
         top = request.spec.logprobs.prompt_top
+        restore, request.restore = request.restore, ()
         return PrefillWork(
             request_id=request.spec.request_id,
             slot=request.slots[0],
@@ -532,12 +577,36 @@ class Scheduler:
             top=top,
             targets=prompt[start + 1 : end + 1] if top is not None else (),
             forks=request.slots[1:] if final else (),
+            restore=restore,
+            restore_length=start if restore else 0,
+            keep=self._keep_chunk(request, end),
         )
+
+    def _keep_chunk(self, request: _Request, end: int) -> KeepKV | None:
+        """Room in the prefix cache for the prompt up to ``end``, beyond what it holds."""
+        hold = request.hold
+        if self._prefix is None or hold is None:
+            return None
+        entry = self._prefix.reserve(hold, request.spec.prompt_ids[:end])
+        if entry is None:
+            return None
+        return KeepKV(entry=entry, slot=request.slots[0], start=hold.length, end=end)
+
+    def _keep_row(self, request: _Request, choice: _Choice) -> None:
+        """Keep a finished row's generated tokens (with the prompt's end, if
+        that was not kept): a next turn that sends them back reuses them."""
+        if self._prefix is None or request.hold is None or not choice.tokens:
+            return
+        # The last sampled token was never fed back, so the row has no KV for it.
+        path = request.spec.prompt_ids + tuple(choice.tokens[:-1])
+        self._prefix.keep_row(request.hold, path, choice.slot)
 
     # --- after the engine ---------------------------------------------------
 
     def _absorb(self, plan: StepPlan, outcome: StepOutcome) -> _Batch:
         """Bring the step's results in; return the rows to sample, with logits."""
+        if self._prefix is not None:
+            self._settle_cache(self._prefix, plan, outcome)
         rows = _Batch()
         for work, result in zip(plan.prefills, outcome.prefills, strict=True):
             if work.slot in self._restoring:
@@ -569,14 +638,43 @@ class Scheduler:
             rows.add([self._rows[slots[i]] for i in kept], logits, greedy)
         return rows
 
+    def _settle_cache(self, prefix: PrefixIndex, plan: StepPlan, outcome: StepOutcome) -> None:
+        """Link what the engine kept into the prefix cache's tree."""
+        if outcome.cache_error is not None:
+            logger.error("%s; the prefix cache starts afresh", outcome.cache_error)
+            prefix.reset()
+        for op in plan.cache_ops:
+            if isinstance(op, KeepKV) and (hold := prefix.kept(op.entry, ok=True)) is not None:
+                prefix.release(hold)  # a finished row's: nobody goes on with it
+        for work, result in zip(plan.prefills, outcome.prefills, strict=True):
+            if work.keep is None:
+                continue
+            hold = prefix.kept(work.keep.entry, ok=result.kept)
+            request = self._requests.get(work.request_id)
+            if hold is None:
+                continue
+            if request is None or request.hold is None:
+                prefix.release(hold)
+                continue
+            prefix.release(request.hold)
+            request.hold = hold
+
     def _start_choices(self, request: _Request) -> list[_Choice]:
         self._prefilling.remove(request)
+        if request.cached:
+            self._deliver(request, PromptCached(tokens=request.cached))
         if request.scores is not None:
             self._deliver(request, PromptScores(entries=tuple(request.scores)))
             request.scores = None
+        if request.spec.request_id not in self._requests:  # the client went away
+            self._to_free += request.slots
+            return []
         started = []
+        keep_tokens = self._prefix is not None
         for index, slot in enumerate(request.slots):
-            choice = _Choice(request=request, index=index, slot=slot)
+            choice = _Choice(
+                request=request, index=index, slot=slot, tokens=[] if keep_tokens else None
+            )
             request.choices[index] = choice
             self._rows[slot] = choice
             started.append(choice)
@@ -651,13 +749,15 @@ class Scheduler:
             choice.generated += 1
             choice.last_token = token
             choice.ids.append(token)
+            if choice.tokens is not None:
+                choice.tokens.append(token)
             finish = self._finish_cause(choice, token, grammar_complete=index in complete)
             sample = TokenSample(
                 choice=choice.index, token_id=token, logprob=logprob, finish=finish
             )
             per_request.setdefault(choice.request.spec.request_id, []).append(sample)
             if finish is not None:
-                self._drop_choice(choice.request, choice, close=False)
+                self._drop_choice(choice.request, choice, close=False, keep=True)
         return per_request
 
     def _deliver_samples(self, per_request: dict[str, list[TokenSample]]) -> None:
@@ -700,9 +800,14 @@ class Scheduler:
             logger.error("output channel of %s is full; dropping it", request.spec.request_id)
             self._close(request)
 
-    def _drop_choice(self, request: _Request, choice: _Choice, *, close: bool = True) -> None:
+    def _drop_choice(
+        self, request: _Request, choice: _Choice, *, close: bool = True, keep: bool = False
+    ) -> None:
+        """``keep``: the row ended normally, and its KV goes to the prefix cache."""
         request.choices.pop(choice.index, None)
         if self._rows.pop(choice.slot, None) is not None:
+            if keep:
+                self._keep_row(request, choice)
             self._to_free.append(choice.slot)
         if close and not request.choices:
             self._close(request)
@@ -722,6 +827,9 @@ class Scheduler:
         for slot in [s for s, r in self._restoring.items() if r.choice.request is request]:
             del self._restoring[slot]
             self._to_free.append(slot)
+        if request.hold is not None and self._prefix is not None:
+            self._prefix.release(request.hold)
+            request.hold = None
         request.submit.output.close()
 
     def _fail(
@@ -786,6 +894,14 @@ def _lags(request: _Request) -> bool:
 
 def _failed(outcome: StepOutcome) -> bool:
     return outcome.decode_error is not None or any(p.error for p in outcome.prefills)
+
+
+def _prefix_index(config: SchedulerConfig, info: EngineInfo) -> PrefixIndex | None:
+    if config.prefix_cache_bytes <= 0 or info.kv_bytes_per_token <= 0:
+        return None
+    return PrefixIndex(
+        budget_bytes=config.prefix_cache_bytes, bytes_per_token=info.kv_bytes_per_token
+    )
 
 
 def _starts_plain(spec: GenerationRequest) -> bool:

@@ -10,7 +10,7 @@ CPU torch tensor); on a CUDA device this is one device-to-host copy per step.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -28,6 +28,12 @@ class EngineInfo:
     dtype: str
     vocab_size: int
     max_context: int
+    #: Bytes of keys and values one cached token takes (every layer); 0 when
+    #: the engine cannot keep prefixes (the prefix cache is then off).
+    kv_bytes_per_token: int = 0
+    #: Memory free on the engine's device once the model was loaded (0:
+    #: unknown). A measurement, not part of what the engine is.
+    free_memory_bytes: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +42,39 @@ class DecodeResult:
 
     slots: tuple[int, ...]
     logits: Logits
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KeepKV:
+    """Copy positions ``[start, end)`` of ``slot``'s cache (prefilled or
+    running) into a new prefix-cache entry ``entry``."""
+
+    entry: int
+    slot: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SplitKV:
+    """Cut entry ``entry`` after its first ``at`` positions: those become entry
+    ``head`` (or are dropped when ``head`` is None), ``entry`` keeps the rest."""
+
+    entry: int
+    at: int
+    head: int | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DropKV:
+    """Forget entry ``entry`` (an unknown entry is no error)."""
+
+    entry: int
+
+
+#: An edit of the engine's prefix-cache entries (``sluiceway.actors.prefix_cache``
+#: decides them; the engine only stores and copies).
+CacheOp = KeepKV | SplitKV | DropKV
 
 
 class Engine(Protocol):
@@ -91,6 +130,17 @@ class Engine(Protocol):
         step it ran before the scheduler's plan, when the plan asks for
         something else.
         """
+        ...
+
+    def restore(self, slot: int, entries: Sequence[int], length: int) -> None:
+        """Create ``slot`` holding a cached prefix: the first ``length``
+        positions of ``entries``' keys and values laid end to end. The slot
+        then takes :meth:`prefill` calls for the rest of its prompt."""
+        ...
+
+    def cache_op(self, op: CacheOp) -> None:
+        """Apply one edit to the prefix-cache entries. A :class:`DropKV`
+        never fails (the index has forgotten the entry already)."""
         ...
 
     def close(self) -> None: ...

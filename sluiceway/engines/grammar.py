@@ -28,7 +28,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -157,6 +157,18 @@ class GrammarEngine:
         else:
             entry.settle(Grammar(template), None)
 
+    def markup(self, text: str, token: int | None) -> str:
+        """A Lark symbol for tag text that a parser reads (``<tool_call>``).
+
+        Where the text is one added token of the model (``token``),
+        llguidance reads that token as a special one, which no string
+        literal matches: the symbol is then the token (``<[id]>``);
+        otherwise it is the literal.
+        """
+        if token is not None and self.tokenizer.is_special_token(token):
+            return f"<[{token}]>"
+        return lark_literal(text)
+
     def new_masks(self, rows: int) -> Bitmask:
         return np.zeros((rows, self.mask_words), dtype=np.int32)
 
@@ -183,13 +195,54 @@ def grammar_text(constraint: Constraint) -> str:
 
 
 def _choice_lark(text: str) -> str:
+    return "start: " + _choice_rule(text)
+
+
+def _choice_rule(text: str) -> str:
     options = json.loads(text)
     if not isinstance(options, list) or not options:
         raise ValueError("a choice needs a non-empty list of strings")
     if not all(isinstance(option, str) for option in options):
         raise ValueError("every choice must be a string")
-    # A Lark string literal takes JSON's escapes.
-    return "start: " + " | ".join(json.dumps(option) for option in options)
+    return " | ".join(lark_literal(option) for option in options)
+
+
+# --- pieces of Lark grammars that other grammars embed ------------------------
+
+
+def lark_literal(text: str) -> str:
+    """A Lark string literal (it takes JSON's escapes)."""
+    return json.dumps(text)
+
+
+def lark_regex(pattern: str) -> str:
+    """A Lark regex terminal matching what ``pattern`` matches (Rust syntax)."""
+    return f"/{llguidance.regex_to_lark(pattern, '')}/"
+
+
+def lark_json(schema: Mapping[str, Any]) -> str:
+    """A JSON schema inlined in a Lark grammar, generated as
+    :data:`JSON_OPTIONS` says (one line, ``json.dumps`` separators)."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+
+
+def embedded_rule(constraint: Constraint) -> str:
+    """The body of a Lark rule matching what ``constraint`` matches, for a
+    grammar that offers it beside other things (raises ``ValueError`` for a
+    kind that cannot be embedded, or bad syntax)."""
+    kind, text = constraint.kind, constraint.text
+    if kind is ConstraintKind.JSON_OBJECT:
+        return lark_json({"type": "object"})
+    if kind is ConstraintKind.JSON_SCHEMA:
+        schema = json.loads(text)
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be an object")
+        return lark_json(schema)
+    if kind is ConstraintKind.REGEX:
+        return lark_regex(text)
+    if kind is ConstraintKind.CHOICE:
+        return _choice_rule(text)
+    raise ValueError("a Lark grammar cannot be combined with other alternatives")
 
 
 #: The bits of float32 ``-inf``.

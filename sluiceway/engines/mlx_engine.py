@@ -10,6 +10,12 @@ cache builds a padding mask and keeps per-row offsets every step, which cost
 ~2% of a decode step at batch 1 on a 42M-parameter model. The lone row is
 merged into a ``BatchKVCache`` when a second row joins, and taken back out
 when the batch is down to one row again.
+
+Prefix-cache entries are plain arrays ``[1, kv_heads, length, head_dim]`` per
+layer, copied out of a slot's cache (never views of it: a view would keep the
+slot's whole buffer alive and stop mlx from updating it in place). A restored
+slot starts as a ``KVCache`` holding their concatenation; its first update
+reallocates, so the entries themselves are never written to.
 """
 
 from __future__ import annotations
@@ -20,8 +26,18 @@ from typing import Any
 
 import numpy as np
 
-from sluiceway.engines.base import DecodeResult, EngineInfo, Logits, config_max_context
+from sluiceway.engines.base import (
+    CacheOp,
+    DecodeResult,
+    DropKV,
+    EngineInfo,
+    KeepKV,
+    Logits,
+    SplitKV,
+    config_max_context,
+)
 from sluiceway.engines.loader import ModelSource
+from sluiceway.engines.memory import host_available_bytes
 
 #: Prompt positions per forward pass while prefilling, to bound peak memory.
 PREFILL_STEP = 512
@@ -48,13 +64,18 @@ class MlxEngine:
         #: a single row runs, a ``BatchKVCache`` per layer otherwise.
         self._batch: list[Any] | None = None
         self._order: list[int] = []
-        device = mx.default_device()
+        #: Prefix-cache entries, by the ids the scheduler's index gives them:
+        #: per layer, keys and values.
+        self._entries: dict[int, list[tuple[Any, Any]]] = {}
+        on_gpu = mx.default_device() == mx.gpu
         self._info = EngineInfo(
             name="mlx",
-            device="gpu" if device == mx.gpu else "cpu",
+            device="gpu" if on_gpu else "cpu",
             dtype=str(config.get("torch_dtype") or config.get("dtype") or "auto"),
             vocab_size=int(source.vocab_size),
             max_context=config_max_context(config),
+            kv_bytes_per_token=self._bytes_per_token(),
+            free_memory_bytes=_free_memory(mx, on_gpu),
         )
 
     @property
@@ -132,10 +153,89 @@ class MlxEngine:
         for layer in self._batch:
             layer.filter(indices)
 
+    def restore(self, slot: int, entries: Sequence[int], length: int) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        mx = self._mx
+        if slot in self._order or slot in self._pending:
+            raise ValueError(f"slot {slot} is in use; free it before restoring into it")
+        parts = [self._entry(entry) for entry in entries]
+        if sum(part[0][0].shape[2] for part in parts) < length:
+            raise ValueError(f"the cached entries hold fewer than {length} positions")
+        cache = make_prompt_cache(self._model)
+        for layer, layer_cache in enumerate(cache):
+            keys = mx.concatenate([part[layer][0] for part in parts], axis=2)
+            values = mx.concatenate([part[layer][1] for part in parts], axis=2)
+            layer_cache.state = (keys[..., :length, :], values[..., :length, :], length)
+        self._pending[slot] = cache
+
+    def cache_op(self, op: CacheOp) -> None:
+        mx = self._mx
+        if isinstance(op, KeepKV):
+            pieces = self._positions(op.slot, op.start, op.end)
+        elif isinstance(op, SplitKV):
+            whole = self._entry(op.entry)
+            if op.head is not None:
+                self._entries[op.head] = _copies(mx, whole, slice(0, op.at))
+            pieces = _copies(mx, whole, slice(op.at, None))
+        elif isinstance(op, DropKV):
+            self._entries.pop(op.entry, None)
+            return
+        mx.eval(pieces)
+        self._entries[op.entry] = pieces
+
     def close(self) -> None:
         self._pending.clear()
         self._batch = None
         self._order.clear()
+        self._entries.clear()
+
+    def _entry(self, entry: int) -> list[tuple[Any, Any]]:
+        found = self._entries.get(entry)
+        if found is None:
+            raise ValueError(f"no prefix-cache entry {entry}")
+        return found
+
+    def _positions(self, slot: int, start: int, end: int) -> list[tuple[Any, Any]]:
+        """Copies of ``slot``'s keys and values at its positions ``[start, end)``."""
+        mx = self._mx
+        if slot in self._pending:
+            caches, row = self._pending[slot], None
+        elif slot in self._order:
+            assert self._batch is not None
+            caches = self._batch
+            row = self._order.index(slot) if len(self._order) > 1 else None
+        else:
+            raise ValueError(f"slot {slot} is not in use")
+        if row is None:  # plain KVCache per layer
+            held, begin = caches[0].size(), 0
+            rows = slice(0, 1)
+        else:  # BatchKVCache: the row's tokens start after its left padding
+            begin = int(caches[0].left_padding[row].item())
+            held = caches[0].size() - begin
+            rows = slice(row, row + 1)
+        if not 0 <= start < end <= held:
+            raise ValueError(f"slot {slot} holds no positions {start}..{end}")
+        span = slice(begin + start, begin + end)
+        return [
+            (mx.array(c.keys[rows, :, span]), mx.array(c.values[rows, :, span])) for c in caches
+        ]
+
+    def _bytes_per_token(self) -> int:
+        """Per token, the bytes every layer's keys and values take; 0 when a
+        layer's cache is not a plain ``KVCache`` (a sliding window or state
+        space layer does not keep one entry per position)."""
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+        mx = self._mx
+        cache = make_prompt_cache(self._model)
+        if not all(type(c) is KVCache for c in cache):
+            return 0
+        self._model(mx.array([[0]]), cache=cache)
+        mx.eval([c.state for c in cache])
+        return sum(
+            c.keys.nbytes // c.keys.shape[2] + c.values.nbytes // c.values.shape[2] for c in cache
+        )
 
     def _join_new(self, tokens: Mapping[int, int]) -> None:
         from mlx_lm.models.cache import BatchKVCache
@@ -158,3 +258,15 @@ class MlxEngine:
             for running, layer_caches in zip(self._batch, zip(*caches, strict=True), strict=True):
                 running.extend(BatchKVCache.merge(list(layer_caches)))  # type: ignore[no-untyped-call]
         self._order.extend(joining)
+
+
+def _copies(mx: Any, layers: list[tuple[Any, Any]], span: slice) -> list[tuple[Any, Any]]:
+    return [(mx.array(k[:, :, span]), mx.array(v[:, :, span])) for k, v in layers]
+
+
+def _free_memory(mx: Any, on_gpu: bool) -> int:
+    if on_gpu:
+        info = mx.device_info()
+        limit = int(info.get("max_recommended_working_set_size") or info.get("memory_size") or 0)
+        return max(0, limit - int(mx.get_active_memory()))
+    return host_available_bytes()

@@ -127,16 +127,24 @@ class ChatTemplate:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> ChatRender:
         """Render a conversation with the generation prompt appended.
 
         The assistant prefix is what rendering with the generation prompt adds
         over rendering without it; parsers are primed with it (it tells, for
-        instance, whether the template already opened ``<think>``).
+        instance, whether the template already opened ``<think>``). Without
+        the generation prompt, or when the final message is left open for the
+        model to continue (``continue_final_message``), there is none.
         """
         if not self.source:
             raise ValueError("this model has no chat template; use /v1/completions")
         kwargs = dict(template_kwargs or {})
+        if continue_final_message or not add_generation_prompt:
+            return ChatRender(
+                self._apply(messages, tools, False, kwargs, continue_final_message), ""
+            )
         text = self._apply(messages, tools, True, kwargs)
         bare = self._apply(messages, tools, False, kwargs)
         prefix = text[len(bare) :] if text.startswith(bare) else ""
@@ -172,12 +180,14 @@ class ChatTemplate:
         tools: Sequence[Mapping[str, Any]] | None,
         generation_prompt: bool,
         kwargs: dict[str, Any],
+        continue_final: bool = False,
     ) -> str:
         rendered = self._hf.apply_chat_template(
             [dict(message) for message in messages],
             tools=list(tools) if tools else None,
             chat_template=self._override,
             add_generation_prompt=generation_prompt,
+            continue_final_message=continue_final,
             tokenize=False,
             **kwargs,
         )
@@ -216,9 +226,51 @@ class ModelTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.table.decode(ids)
 
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry as the tokenizer spells it (``Ġhello``)."""
+        strings: list[str] = self.hf.convert_ids_to_tokens(list(ids))
+        return strings
+
+    def config(self) -> dict[str, Any]:
+        """What a client needs to rebuild this tokenizer: its configuration as
+        ``tokenizer_config.json`` holds it (special tokens, ``model_max_length``,
+        the added tokens), its class and the chat template the server renders
+        with. Where the files were loaded from is left out."""
+        config = {
+            key: _json_safe(value, flags=key == "added_tokens_decoder")
+            for key, value in self.hf.init_kwargs.items()
+            if key not in _LOCAL_KEYS and value is not None
+        }
+        config["tokenizer_class"] = type(self.hf).__name__
+        if self.chat.source:
+            config["chat_template"] = self.chat.source
+        return config
+
     def vocabulary(self) -> frozenset[str]:
         """Every token's string form (added tokens included)."""
         return frozenset(self.hf.get_vocab())
+
+
+#: ``init_kwargs`` that say where and how the files were loaded, not what they are.
+_LOCAL_KEYS = frozenset({"name_or_path", "is_local", "local_files_only", "vocab_file", "cache_dir"})
+
+
+def _json_safe(value: Any, *, flags: bool = False) -> Any:
+    """A tokenizer setting as ``tokenizer_config.json`` writes it: a special
+    token as its text, an entry of ``added_tokens_decoder`` (``flags``) as
+    its text and flags; containers element by element."""
+    if isinstance(value, Mapping):
+        return {str(key): _json_safe(item, flags=flags) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(item, flags=flags) for item in value]
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    if hasattr(value, "content"):  # tokenizers.AddedToken
+        if not flags:
+            return value.content
+        names = ("lstrip", "rstrip", "single_word", "normalized", "special")
+        return {"content": value.content, **{name: getattr(value, name, None) for name in names}}
+    return str(value)
 
 
 def _eos_ids(model_dir: Path, hf: Any) -> set[int]:

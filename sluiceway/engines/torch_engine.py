@@ -57,8 +57,18 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from sluiceway.engines.base import DecodeResult, EngineInfo, Logits, config_max_context
+from sluiceway.engines.base import (
+    CacheOp,
+    DecodeResult,
+    DropKV,
+    EngineInfo,
+    KeepKV,
+    Logits,
+    SplitKV,
+    config_max_context,
+)
 from sluiceway.engines.loader import ModelSource
+from sluiceway.engines.memory import host_available_bytes
 from sluiceway.engines.select import check_device
 
 logger = logging.getLogger(__name__)
@@ -153,6 +163,10 @@ class LayerLayout:
     keys: tuple[int, int]
     values: tuple[int, int]
     dtype: torch.dtype
+
+
+#: One prefix-cache entry: per layer, keys and values ``[heads, length, head_dim]``.
+Segment = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class KVRows:
@@ -293,6 +307,39 @@ class KVRows:
         copy.add_rows([self])
         return copy
 
+    # -- prefix-cache segments ---------------------------------------------------------------
+
+    def segment(self, row: int, start: int, end: int) -> Segment:
+        """Copies of ``row``'s keys and values at its real positions ``[start, end)``."""
+        if not 0 <= start < end <= self.end - self.first[row]:
+            raise ValueError(f"row {row} holds no positions {start}..{end}")
+        begin, stop = self.first[row] + start, self.first[row] + end
+        return [
+            (keys[row, :, begin:stop].clone(), values[row, :, begin:stop].clone())
+            for keys, values in zip(self.keys, self.values, strict=True)
+        ]
+
+    def extend_row(self, segments: Sequence[Segment], length: int) -> None:
+        """Append the first ``length`` positions of ``segments``, laid end to
+        end, to the one row (a cached prefix; RoPE is already in the keys)."""
+        if self.rows != 1:
+            raise ValueError("only a lone row takes cached segments")
+        self.reserve(right=length)
+        position = self.end
+        for segment in segments:
+            take = min(length - (position - self.end), segment[0][0].shape[1])
+            if take <= 0:
+                break
+            for layer, (keys, values) in enumerate(segment):
+                self.keys[layer][0, :, position : position + take] = keys[:, :take]
+                self.values[layer][0, :, position : position + take] = values[:, :take]
+            position += take
+        if position - self.end != length:
+            raise ValueError(
+                f"the cached segments hold {position - self.end} of {length} positions"
+            )
+        self.advance(length)
+
     # -- capacity ----------------------------------------------------------------------------
 
     def reserve(self, *, left: int = 0, right: int = 0, rows: int = 0) -> None:
@@ -384,12 +431,16 @@ class TransformersEngine:
         self._pending: dict[int, KVRows] = {}
         self._batch: KVRows | None = None
         self._order: list[int] = []
+        #: Prefix-cache entries, by the ids the scheduler's index gives them.
+        self._entries: dict[int, Segment] = {}
         self._info = EngineInfo(
             name="transformers",
             device=str(self._device),
             dtype=str(self._dtype).removeprefix("torch."),
             vocab_size=int(source.vocab_size or self._model.config.vocab_size),
             max_context=config_max_context(source.config),
+            kv_bytes_per_token=_bytes_per_token(self._layouts),
+            free_memory_bytes=_free_memory(self._device),
         )
         logger.info(
             "transformers engine: %s on %s, %s, %d threads",
@@ -464,10 +515,53 @@ class TransformersEngine:
         if not self._order and self._batch.nbytes > KEEP_IDLE_BATCH_BYTES:
             self._batch = None  # release the memory the longest rows needed
 
+    def restore(self, slot: int, entries: Sequence[int], length: int) -> None:
+        if slot in self._order or slot in self._pending:
+            raise ValueError(f"slot {slot} is in use; free it before restoring into it")
+        segments = [self._entry(entry) for entry in entries]
+        with torch.inference_mode():
+            rows = self._new_rows()
+            rows.open_row()
+            rows.extend_row(segments, length)
+        self._pending[slot] = rows
+
+    def cache_op(self, op: CacheOp) -> None:
+        with torch.inference_mode():
+            if isinstance(op, KeepKV):
+                rows, row = self._row_of(op.slot)
+                self._entries[op.entry] = rows.segment(row, op.start, op.end)
+            elif isinstance(op, SplitKV):
+                whole = self._entry(op.entry)
+                # Copies, not views: each half's memory goes when that half is dropped.
+                if op.head is not None:
+                    self._entries[op.head] = [
+                        (k[:, : op.at].clone(), v[:, : op.at].clone()) for k, v in whole
+                    ]
+                self._entries[op.entry] = [
+                    (k[:, op.at :].clone(), v[:, op.at :].clone()) for k, v in whole
+                ]
+            elif isinstance(op, DropKV):
+                self._entries.pop(op.entry, None)
+
     def close(self) -> None:
         self._pending.clear()
         self._batch = None
         self._order.clear()
+        self._entries.clear()
+
+    def _entry(self, entry: int) -> Segment:
+        segment = self._entries.get(entry)
+        if segment is None:
+            raise ValueError(f"no prefix-cache entry {entry}")
+        return segment
+
+    def _row_of(self, slot: int) -> tuple[KVRows, int]:
+        if slot in self._pending:
+            return self._pending[slot], 0
+        if slot in self._order:
+            assert self._batch is not None
+            return self._batch, self._order.index(slot)
+        raise ValueError(f"slot {slot} is not in use")
 
     def _new_rows(self) -> KVRows:
         return KVRows(self._layouts, self._device, ready_masks=self._ready_masks)
@@ -498,6 +592,20 @@ class TransformersEngine:
             self._batch = self._new_rows()
         self._batch.add_rows([self._pending.pop(slot) for slot in joining], min_rows=ROW_STEP)
         self._order.extend(joining)
+
+
+def _bytes_per_token(layouts: Sequence[LayerLayout]) -> int:
+    return sum(
+        (kv.keys[0] * kv.keys[1] + kv.values[0] * kv.values[1]) * kv.dtype.itemsize
+        for kv in layouts
+    )
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return host_available_bytes()
 
 
 def _to_numpy(logits: torch.Tensor) -> Logits:

@@ -82,6 +82,11 @@ class ChoicePipeline:
         """The stop string that ended this choice, if one did."""
         return self._stop.matched if self._stop is not None else None
 
+    @property
+    def matches_stops(self) -> bool:
+        """Whether this path matches stop strings."""
+        return self._stop is not None
+
     def channel_counts(self) -> dict[Channel, int]:
         """How many tokens have each channel as home (markup included), so far."""
         return dict(self._assembler.counts)

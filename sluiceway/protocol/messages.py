@@ -208,6 +208,8 @@ class TokenLogprob:
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
     requested: tuple[tuple[int, float], ...] = ()
+    #: The token's 1-based rank in its distribution (prompt logprobs only).
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -275,12 +277,20 @@ class FailureCause(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PromptCached:
+    """The first ``tokens`` prompt tokens came from the prefix cache (sent
+    at admission, only when some did)."""
+
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestFailed:
     message: str
     cause: FailureCause = FailureCause.ENGINE
 
 
-RequestOutput = StepOutput | PromptScores | RequestFailed
+RequestOutput = StepOutput | PromptScores | PromptCached | RequestFailed
 
 
 # --- output actor -> emitter -------------------------------------------------
@@ -305,6 +315,8 @@ class LogprobEntry:
     bytes: tuple[int, ...]
     top_logprobs: tuple[TopLogprob, ...] = ()
     requested: tuple[tuple[int, float], ...] = ()
+    #: 1-based rank in the token's distribution, where known (prompt logprobs).
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -340,6 +352,9 @@ class ChoiceDelta:
     finish: FinishCause | None = None
     called_tools: bool = False
     matched_stop: str | int | None = None
+    #: Generated token ids that ride with this delta (``return_token_ids``,
+    #: the tokens surface): over a choice's deltas, every id once, in order.
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -347,6 +362,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     reasoning_tokens: int = 0
+    #: Prompt tokens whose KV came from the prefix cache (part of ``prompt_tokens``).
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

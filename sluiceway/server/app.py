@@ -39,11 +39,18 @@ from sluiceway.server.metrics import Metrics
 from sluiceway.server.parsing import choose_parsers
 from sluiceway.server.record import RequestRecord, request_id
 from sluiceway.server.routing import Router, merge_routes
-from sluiceway.server.runtime import LoadedModel, PipelineOptions, load_model, run_pipeline
+from sluiceway.server.runtime import (
+    LoadedModel,
+    PipelineOptions,
+    load_model,
+    prefix_cache_bytes,
+    run_pipeline,
+)
 from sluiceway.server.state import ServerState
 from sluiceway.server.supervision import Supervisor
 from sluiceway.surfaces.base import Call, Headers, Serving, Surface, SurfaceHandler
 from sluiceway.surfaces.openai import OpenAIOptions, OpenAISurface
+from sluiceway.surfaces.tokens import TokensSurface
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("sluiceway.access")
@@ -59,6 +66,7 @@ def surfaces(config: ServerConfig) -> tuple[Surface, ...]:
                 return_tokens_as_token_ids=config.return_tokens_as_token_ids,
             )
         ),
+        TokensSurface(),
     )
 
 
@@ -164,7 +172,7 @@ class SluicewayApp:
         )
         self.metrics = Metrics(config.model_name)
         self.lifecycle = Lifecycle(config, self.metrics, self.supervisor)
-        self.metrics.watch(self.lifecycle.load)
+        self.metrics.watch(self.lifecycle.load, self.lifecycle.prefix_cache)
         #: The playground's files, read once (none with ``--no-playground``).
         self.page = playground.load_assets() if config.playground else {}
         self.router = route_table(self.lifecycle, self.surfaces, self.page)
@@ -227,6 +235,7 @@ class SluicewayApp:
             prefill_chunk_tokens=self.config.prefill_chunk_tokens,
             stall_timeout=self.config.stall_timeout or None,
             on_admitted=self.metrics.queue_time.observe,
+            prefix_cache_bytes=prefix_cache_bytes(self.config, model.engine),
         )
 
     def _ready(self, model: LoadedModel, handle: SchedulerHandle) -> None:

@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         "max_num_seqs": "most sequences decoded together in one batch",
         "max_queued_requests": "most requests waiting for a slot (429 beyond)",
         "prefill_chunk_tokens": "prompt tokens prefilled per step, so running streams keep flowing",
+        "prefix_cache": "reuse the KV of prompt prefixes earlier requests computed "
+        "(--no-prefix-cache: prefill every prompt whole)",
+        "prefix_cache_bytes": "most bytes the prefix cache holds, least recently used "
+        "evicted first (default: min(free memory after loading / 4, 2^20 tokens of KV))",
         "keepalive_seconds": "SSE ': keepalive' comment interval while a streamed request waits",
         "shutdown_timeout": "seconds running requests get to finish after SIGTERM/SIGINT; "
         "then their streams end with an error event",
@@ -86,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         "default_chat_template_kwargs": "JSON object of chat template variables every request "
         "starts from, e.g. '{\"enable_thinking\": false}'; a request's chat_template_kwargs "
         "override them key by key",
+        "grammar_compile_timeout": "seconds a structured-output schema or grammar may take "
+        "to compile; a slower one is refused with a 400",
         "cache_dir": "where the default model is built (default: $XDG_CACHE_HOME/sluiceway)",
         "playground": "serve the playground page at / and /playground (no API key needed)",
         "log_level": "logging level",
@@ -97,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
             options["choices"] = CHOICES[spec.name]
         if isinstance(default, bool) or str(spec.type).startswith("bool"):
             options["action"] = argparse.BooleanOptionalAction
-        elif isinstance(default, int):
+        elif isinstance(default, int) or str(spec.type).startswith("int"):
             options["type"] = int
         elif isinstance(default, float):
             options["type"] = float

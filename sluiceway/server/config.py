@@ -57,6 +57,11 @@ class ServerConfig:
     max_num_seqs: int = 32
     max_queued_requests: int = 256
     prefill_chunk_tokens: int = 2048
+    #: Reuse the KV of prompt prefixes that earlier requests computed.
+    prefix_cache: bool = True
+    #: None: derived from the model's KV size and the free memory
+    #: (``sluiceway.actors.prefix_cache.default_budget``).
+    prefix_cache_bytes: int | None = None
     keepalive_seconds: float = 5.0
     #: Seconds running requests get to finish after SIGTERM/SIGINT.
     shutdown_timeout: float = 30.0
@@ -78,6 +83,9 @@ class ServerConfig:
     #: (``{"enable_thinking": false}``); a request's own
     #: ``chat_template_kwargs`` override them key by key.
     default_chat_template_kwargs: str | None = None
+    #: A structured-output schema or grammar that takes longer to compile
+    #: is refused (400).
+    grammar_compile_timeout: float = 5.0
     cache_dir: str | None = None
     playground: bool = True
     log_level: str = "info"
@@ -93,6 +101,8 @@ class ServerConfig:
         for name in ("shutdown_timeout", "stall_timeout", "request_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError("grammar_compile_timeout must be positive")
         for name in (
             "port",
             "max_body_bytes",
@@ -102,6 +112,8 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
+            raise ValueError("prefix_cache_bytes must not be negative")
         if not 0 <= self.max_top_logprobs <= 1000:
             raise ValueError("max_top_logprobs must be between 0 and 1000")
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from sluiceway.actors.prefix_cache import PrefixCacheStats
 from sluiceway.actors.scheduler import Restartable, SchedulerHandle
 from sluiceway.protocol.messages import FailureCause
 from sluiceway.server.config import ServerConfig
@@ -95,6 +96,9 @@ class Lifecycle:
         if alive and self.phase is Phase.DRAINING:
             return False, "draining"
         return alive, "ready" if alive else state
+
+    def prefix_cache(self) -> PrefixCacheStats | None:
+        return None if self.scheduler is None else self.scheduler.prefix_cache
 
     def load(self) -> LoadSnapshot | None:
         scheduler, model = self.scheduler, self.model

@@ -20,12 +20,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from sluiceway.actors.prefix_cache import PrefixCacheStats
 from sluiceway.server.record import RequestRecord
 
 # The ``_created`` series double every counter for nothing a dashboard reads.
@@ -59,20 +59,6 @@ class LoadSnapshot:
         if self.capacity_tokens <= 0:
             return 0.0
         return min(1.0, self.cached_tokens / self.capacity_tokens)
-
-
-class PrefixCacheStats(Protocol):
-    """What a prefix cache reports (counted since start-up). A hook: the
-    server exports these once a prefix cache exists."""
-
-    @property
-    def hit_tokens(self) -> int: ...
-
-    @property
-    def queried_tokens(self) -> int: ...
-
-    @property
-    def cached_bytes(self) -> int: ...
 
 
 class _LoadCollector:
@@ -138,19 +124,29 @@ class _LoadCollector:
             (
                 "vllm:prefix_cache_queries",
                 "Prompt tokens looked up in the prefix cache.",
-                stats.queried_tokens,
+                stats.looked_up_tokens,
             ),
             (
                 "vllm:prefix_cache_hits",
-                "Prompt tokens found in the prefix cache.",
+                "Prompt tokens found in the prefix cache (not prefilled again).",
                 stats.hit_tokens,
+            ),
+            (
+                "sluiceway:prefix_cache_evicted_tokens",
+                "Tokens evicted from the prefix cache to make room.",
+                stats.evicted_tokens,
             ),
         ):
             family = CounterMetricFamily(name, documentation, labels=["model_name"])
             family.add_metric([self._model], value)
             yield family
         yield self._gauge(
-            "sluiceway:prefix_cache_bytes", "Bytes held by the prefix cache.", stats.cached_bytes
+            "sluiceway:prefix_cache_bytes", "Bytes of KV held by the prefix cache.", stats.bytes
+        )
+        yield self._gauge(
+            "sluiceway:prefix_cache_capacity_bytes",
+            "Bytes the prefix cache may hold (--prefix-cache-bytes).",
+            stats.capacity_bytes,
         )
 
 

@@ -22,11 +22,12 @@ from anyio.abc import TaskStatus
 from sluiceway.actors import reducer, sampler
 from sluiceway.actors.engine_process import EngineSpec, ProcessEngine
 from sluiceway.actors.engine_work import EngineThread
+from sluiceway.actors.prefix_cache import default_budget
 from sluiceway.actors.sampler import SamplerConfig
 from sluiceway.actors.scheduler import Scheduler, SchedulerConfig, SchedulerHandle, open_inbox
 from sluiceway.engines.base import Engine
 from sluiceway.engines.default_model import default_model_dir
-from sluiceway.engines.grammar import GrammarEngine
+from sluiceway.engines.grammar import GrammarConfig, GrammarEngine
 from sluiceway.engines.loader import ModelSource, freeze_heap, resolve_model
 from sluiceway.engines.select import (
     choose_engine,
@@ -81,7 +82,11 @@ def _load(config: ServerConfig, thread: EngineThread) -> LoadedModel:
     started = time.perf_counter()
     engine = _start_engine(config, source)
     tokenizer = ModelTokenizer(source.path, engine.info.vocab_size)
-    grammars = _grammar_engine(tokenizer, engine.info.vocab_size)
+    grammars = _grammar_engine(
+        tokenizer,
+        engine.info.vocab_size,
+        GrammarConfig(compile_seconds=config.grammar_compile_timeout),
+    )
     logger.info(
         "loaded %s on %s/%s (%s) in %.1f s",
         source.path,
@@ -93,10 +98,12 @@ def _load(config: ServerConfig, thread: EngineThread) -> LoadedModel:
     return LoadedModel(source, tokenizer, engine, int(time.time()), thread, grammars)
 
 
-def _grammar_engine(tokenizer: ModelTokenizer, vocab_size: int) -> GrammarEngine | None:
+def _grammar_engine(
+    tokenizer: ModelTokenizer, vocab_size: int, config: GrammarConfig
+) -> GrammarEngine | None:
     started = time.perf_counter()
     try:
-        grammars = GrammarEngine(tokenizer.hf, vocab_size, tokenizer.eos_ids)
+        grammars = GrammarEngine(tokenizer.hf, vocab_size, tokenizer.eos_ids, config)
     except Exception:  # a tokenizer llguidance cannot read: serve, without constraints
         logger.exception("the grammar engine cannot use this tokenizer; no structured output")
         return None
@@ -122,6 +129,30 @@ def _start_engine(config: ServerConfig, source: ModelSource) -> Engine:
         environment=process_environment(name),
     )
     return ProcessEngine(spec)
+
+
+def prefix_cache_bytes(config: ServerConfig, engine: Engine) -> int:
+    """The prefix cache's budget (0: off), logged once."""
+    info = engine.info
+    if not config.prefix_cache:
+        logger.info("prefix cache: off (--no-prefix-cache)")
+        return 0
+    if info.kv_bytes_per_token <= 0:
+        logger.info("prefix cache: off (the %s engine cannot keep this model's KV)", info.name)
+        return 0
+    budget = (
+        default_budget(info) if config.prefix_cache_bytes is None else config.prefix_cache_bytes
+    )
+    if budget < info.kv_bytes_per_token:
+        logger.info("prefix cache: off (%d bytes hold no token)", budget)
+        return 0
+    logger.info(
+        "prefix cache: %.1f MiB, %d tokens of %d bytes",
+        budget / 2**20,
+        budget // info.kv_bytes_per_token,
+        info.kv_bytes_per_token,
+    )
+    return budget
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from sluiceway.actors.constraints import ConstraintCompiler
 from sluiceway.actors.scheduler import SchedulerHandle
 from sluiceway.parsers.registry import ParserChoice
 from sluiceway.server.config import ServerConfig
@@ -35,4 +36,5 @@ class ServerState:
             max_top_logprobs=self.config.max_top_logprobs,
             stop_in_reasoning=self.config.stop_in_reasoning,
             default_template_kwargs=MappingProxyType(self.config.template_defaults()),
+            constraints=ConstraintCompiler(self.model.grammars),
         )

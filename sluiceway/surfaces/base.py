@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel
 
+from sluiceway.actors.constraints import ConstraintCompiler
 from sluiceway.actors.output import OutputConfig
 from sluiceway.engines.base import EngineInfo
 from sluiceway.engines.tokenizer import ModelTokenizer
@@ -133,6 +134,9 @@ class Serving:
     stop_in_reasoning: bool
     #: Chat template variables every request starts from (``--default-chat-template-kwargs``).
     default_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    #: Compiles the constraints of structured output (refuses them all
+    #: where the model's tokenizer has no grammar engine).
+    constraints: ConstraintCompiler = field(default_factory=lambda: ConstraintCompiler(None))
 
     @property
     def vocab_size(self) -> int:
@@ -228,6 +232,16 @@ async def send_whole(call: Call, jobs: Sequence[Job], accumulator: Accumulator) 
     if accumulator.failure is not None:
         raise InternalError(accumulator.failure)
     await call.send_json(accumulator.to_json())
+
+
+def bearer_token(headers: Headers) -> str | None:
+    """The key an ``Authorization: Bearer`` header presents (None: none)."""
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer":
+                return token.strip()
+    return None
 
 
 def new_id(prefix: str) -> str:

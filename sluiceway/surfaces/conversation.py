@@ -95,6 +95,10 @@ class Conversation:
     parallel_tool_calls: bool = True
     #: Extra variables for the chat template (``enable_thinking``, say).
     template_kwargs: Mapping[str, Any] | None = None
+    #: Render the generation prompt (the assistant turn's opening) after the messages.
+    add_generation_prompt: bool = True
+    #: Leave the final message open for the model to continue (no generation prompt).
+    continue_final_message: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,6 +108,8 @@ class ConversationParams:
     messages: str = "messages"
     tools: str = "tools"
     tool_choice: str = "tool_choice"
+    #: A tool's arguments schema; ``{index}`` is the tool's place in the list.
+    tool_parameters: str = "tools[{index}].function.parameters"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,8 +132,14 @@ def render_conversation(
     conversation: Conversation,
     stops: StopOptions,
     params: ConversationParams = ConversationParams(),
+    *,
+    tools_by_grammar: bool = False,
 ) -> RenderedPrompt:
     """Render the conversation through the chat template and tokenize it.
+
+    A required tool call is forced by a prefix appended to the prompt,
+    unless ``tools_by_grammar``: then the caller constrains the reply with
+    a grammar instead (``sluiceway.surfaces.structured``).
 
     Blocking (template rendering and tokenization): run it in a worker thread.
     """
@@ -141,6 +153,8 @@ def render_conversation(
                 **serving.default_template_kwargs,
                 **(conversation.template_kwargs or {}),
             },
+            add_generation_prompt=conversation.add_generation_prompt,
+            continue_final_message=conversation.continue_final_message,
         )
     except Exception as error:  # template errors are the conversation's fault
         raise InvalidRequest(
@@ -148,7 +162,7 @@ def render_conversation(
         ) from error
     parsers = serving.parsers
     forced_prefix = ""
-    if forced is not None and parsers.tools is not None:
+    if forced is not None and parsers.tools is not None and not tools_by_grammar:
         forced_prefix = forced_reasoning_close(parsers.reasoning, rendered.assistant_prefix)
         forced_prefix += forced_tool_prefix(parsers.tools, forced or None)
     options = TextPathOptions(

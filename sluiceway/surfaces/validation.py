@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,6 +22,7 @@ from sluiceway.protocol.messages import Limits, LogprobParams, SamplingParams
 M = TypeVar("M", bound=BaseModel)
 
 _FIELD = re.compile(r"^[a-z_][a-z0-9_]*$")
+_TOKEN_KEY = re.compile(r"-?[0-9]+")
 # Names pydantic puts in an error location for the member of a union it tried.
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "literal"}
 
@@ -119,6 +120,19 @@ def checked_ids(values: Iterable[int], vocab_size: int, param: str) -> tuple[int
                 f"token id {token} is outside the vocabulary (0..{vocab_size - 1})", param=param
             )
     return ids
+
+
+def logit_bias(
+    bias: Mapping[str, float] | None, *, param: str = "logit_bias"
+) -> tuple[tuple[int, float], ...]:
+    """A JSON logit bias (token ids as the keys' text) as (id, bias) pairs;
+    the ids are checked against the vocabulary by :func:`sampling_params`."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not _TOKEN_KEY.fullmatch(key.strip()):
+            raise InvalidRequest(f"logit_bias key {key!r} is not a token id", param=param)
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,3 +53,13 @@ def scripted_server(
     )
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="session")
+def reference(default_model: Path) -> Any:
+    """The default model in transformers, for direct forward passes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(default_model), dtype=torch.float32)
+    return model.eval()

@@ -347,3 +347,10 @@ def test_api_key_is_read_the_openai_way(default_model: Path, tmp_path: Path) -> 
             assert reply.choices[0].finish_reason in {"stop", "length"}
         bearer = {"authorization": "Bearer k3y"}
         error_of(httpx.get(running.api_url + "/nowhere", headers=bearer), 404)
+        # The tokens surface and the tokenizer routes take the key the same way.
+        generate = running.base_url + "/inference/v1/generate"
+        refused = error_of(httpx.post(generate, json={"token_ids": [1]}), 401)
+        assert refused["type"] == "authentication_error"
+        error_of(httpx.post(running.base_url + "/tokenize", json={"prompt": "x"}), 401)
+        body = {"token_ids": [1], "sampling_params": {"max_tokens": 1}}
+        assert httpx.post(generate, json=body, headers=bearer, timeout=60).status_code == 200

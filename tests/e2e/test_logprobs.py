@@ -20,18 +20,32 @@ from tests.fixtures.scripted_model import ScriptedModel
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="session")
-def reference(default_model: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(default_model), dtype=torch.float32)
-    return model.eval()
-
-
 def log_softmax_of(model: Any, ids: list[int]) -> np.ndarray:
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0].double()
     return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def assert_same_numbers(got: Any, want: Any) -> None:
+    """The same structure, strings and ids; floats within ``TOLERANCE``. Two
+    requests for the same thing may differ in the last bits of a logprob: the
+    second reuses the first's prompt from the prefix cache, and prefills
+    only its last token, in a pass of another shape."""
+    if isinstance(want, float) and not isinstance(got, bool):
+        assert isinstance(got, float | int)
+        assert abs(got - want) < TOLERANCE, (got, want)
+    elif isinstance(want, dict):
+        assert isinstance(got, dict)
+        assert list(got) == list(want)
+        for key in want:
+            assert_same_numbers(got[key], want[key])
+    elif isinstance(want, list):
+        assert isinstance(got, list)
+        assert len(got) == len(want)
+        for mine, theirs in zip(got, want, strict=True):
+            assert_same_numbers(mine, theirs)
+    else:
+        assert got == want
 
 
 def token_id(token: str) -> int:
@@ -164,7 +178,7 @@ def test_partial_characters_travel_with_the_chunk_that_completes_them(
     every = [e for _, entries in pieces for e in entries]
     assert bytes(b for e in every for b in e["bytes"]) == "Café costs 3€".encode()
     whole = post(scripted_server, "/chat/completions", body)
-    assert whole["choices"][0]["logprobs"]["content"] == every
+    assert_same_numbers(whole["choices"][0]["logprobs"]["content"], every)
     assert whole["choices"][0]["message"]["content"] == "Café costs 3€"
 
 
@@ -222,11 +236,11 @@ def test_streaming_and_whole_replies_carry_the_same_entries(
             logprobs = chunk["choices"][0]["logprobs"] if chunk["choices"] else None
             for key in streamed:
                 streamed[key] += (logprobs or {}).get(key, [])
-        assert streamed == whole["logprobs"]
+        assert_same_numbers(streamed, whole["logprobs"])
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole["text"]
     else:
         entries = [e for c in chunks if c["choices"] for e in chunk_content(c)[1]]
-        assert entries == whole["logprobs"]["content"]
+        assert_same_numbers(entries, whole["logprobs"]["content"])
 
 
 def test_logprob_token_ids_score_every_position(server: RunningServer, reference: Any) -> None:

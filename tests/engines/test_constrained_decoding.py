@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -35,6 +34,7 @@ from tests.engines.constrained_rig import (
     open_rig,
     with_pipeline,
 )
+from tests.fixtures.json_schemas import assert_valid, schemas
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -47,76 +47,10 @@ def child_rig(request: pytest.FixtureRequest, default_model: Path) -> Iterator[R
     yield from open_rig(default_model, str(request.param), in_child=True)
 
 
-# --- JSON schemas that a random model finishes within MAX_TOKENS ---------------
-
-names = st.text(alphabet="abcdefgh_", min_size=1, max_size=6)
-scalars = st.one_of(st.text(max_size=4), st.integers(-9, 9), st.booleans(), st.none())
-
-#: The formats llguidance enforces exactly as jsonschema checks them ("date"
-#: is not among them: llguidance admits the year 0000, Python does not).
-FORMATS = ("time", "date-time", "uuid", "ipv4", "ipv6", "email", "hostname", "duration", "uri")
-
-leaves = st.one_of(
-    st.just({"type": "boolean"}),
-    st.just({"type": "null"}),
-    st.builds(
-        lambda low, span: {"type": "integer", "minimum": low, "maximum": low + span},
-        st.integers(-1000, 1000),
-        st.integers(0, 5000),
-    ),
-    st.builds(
-        lambda low, extra: {"type": "string", "minLength": low, "maxLength": low + extra},
-        st.integers(0, 3),
-        st.integers(0, 5),
-    ),
-    st.lists(scalars, min_size=1, max_size=4, unique_by=json.dumps).map(lambda v: {"enum": v}),
-    scalars.map(lambda v: {"const": v}),
-    st.sampled_from(FORMATS).map(lambda f: {"type": "string", "format": f, "maxLength": 40}),
-    st.sampled_from(["^[a-z]{1,4}$", "^[0-9]{2}-[A-Z]$"]).map(
-        lambda p: {"type": "string", "pattern": p}
-    ),
-)
-
-
-def _object(properties: dict[str, Any], required: list[bool]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": properties,
-        "required": [key for key, needed in zip(properties, required, strict=False) if needed],
-        "additionalProperties": False,
-    }
-
-
-def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    arrays = st.builds(
-        lambda items, low, extra: {
-            "type": "array",
-            "items": items,
-            "minItems": low,
-            "maxItems": low + extra,
-        },
-        children,
-        st.integers(0, 1),
-        st.integers(0, 2),
-    )
-    objects = st.builds(
-        _object,
-        st.dictionaries(names, children, min_size=1, max_size=3),
-        st.lists(st.booleans(), min_size=3, max_size=3),
-    )
-    either = st.lists(children, min_size=2, max_size=2).map(lambda c: {"anyOf": c})
-    return st.one_of(arrays, objects, either)
-
-
-schemas = st.recursive(leaves, _containers, max_leaves=6)
-
-
 def validate(rig: Rig, outcome: Outcome, schema: dict[str, Any]) -> None:
     assert outcome.failure is None, outcome.failure
     assert outcome.finish in (FinishCause.EOS, FinishCause.GRAMMAR), rig.text(outcome)
-    document = json.loads(rig.text(outcome))
-    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
-    jsonschema.Draft202012Validator(schema, format_checker=checker).validate(document)
+    assert_valid(json.loads(rig.text(outcome)), schema)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -10,6 +10,7 @@ import pytest
 
 from sluiceway.actors.engine_process import EngineProcessError, EngineSpec, ProcessEngine
 from sluiceway.actors.engine_work import PrefillWork, StepPlan, execute
+from sluiceway.engines.base import DropKV, KeepKV, SplitKV
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.select import make_engine, process_environment
 from tests.engines.conftest import ENGINES
@@ -73,6 +74,62 @@ async def test_steps_over_the_pipe_match_steps_on_a_thread(
                 assert got.decode.logits.shape == (1, 0)
             plan = StepPlan(decode={3: token}, greedy=True)
         await in_child.start_step(StepPlan(frees=(3,))).result()
+    finally:
+        local.close()
+
+
+@pytest.mark.anyio
+async def test_prefix_cache_edits_ride_on_the_steps_over_the_pipe(
+    in_child: ProcessEngine, tiny_model: ModelSource
+) -> None:
+    """A chunk kept, a row kept from the batch, an edit that fails: the
+    child's outcomes are those of the same plans run in process."""
+    local = make_engine(in_child.info.name, tiny_model, device="auto", dtype="auto")
+    prompt = tuple(PROMPTS["medium"])
+    keep = KeepKV(entry=1, slot=3, start=0, end=len(prompt))
+    plans = [
+        StepPlan(
+            prefills=(PrefillWork(request_id="a", slot=3, tokens=prompt, final=True, keep=keep),),
+            greedy=True,
+        ),
+        StepPlan(
+            prefills=(
+                PrefillWork(
+                    request_id="b",
+                    slot=4,
+                    tokens=(7,),
+                    final=True,
+                    restore=(1,),
+                    restore_length=len(prompt),
+                ),
+            ),
+            decode={3: 7},
+            greedy=True,
+        ),
+        StepPlan(
+            cache_ops=(KeepKV(entry=2, slot=3, start=len(prompt), end=len(prompt) + 1),),
+            frees=(3, 4),
+        ),
+        StepPlan(cache_ops=(SplitKV(entry=99, at=1, head=None), DropKV(entry=1), DropKV(entry=2))),
+    ]
+    try:
+        for plan in plans:
+            got = await in_child.start_step(plan).result()
+            expected = execute(local, plan)
+            assert [p.kept for p in got.prefills] == [p.kept for p in expected.prefills]
+            assert [p.error for p in got.prefills] == [p.error for p in expected.prefills]
+            assert [p.greedy.tolist() for p in got.prefills if p.greedy is not None] == [
+                p.greedy.tolist() for p in expected.prefills if p.greedy is not None
+            ]
+            assert (got.cache_error is None) == (expected.cache_error is None)
+            if plan is plans[1]:
+                # Restored and prefilled, or decoded: the same sequence, the same token.
+                assert got.decode_greedy is not None
+                assert got.prefills[0].greedy is not None
+                assert got.decode_greedy.tolist() == got.prefills[0].greedy.tolist()
+        assert got.cache_error is not None  # the split of an unknown entry
+        second = await in_child.start_step(plans[1]).result()
+        assert second.prefills[0].error is not None  # entry 1 is gone
     finally:
         local.close()
 

@@ -362,28 +362,40 @@ class PipelineRun:
         return [*self.chunks, (self.tokens_fed + 1, self.final)]
 
 
+class Watermarks:
+    """Each step's watermark, worked out independently of the assembler: the
+    smallest token a stage (or a character the detokenizer is completing)
+    still holds text of."""
+
+    def __init__(self, table: TokenTable, stages: Sequence[TextStage]) -> None:
+        self._detokenizer = IncrementalDetokenizer(table)
+        self._stages = stages
+        self._partial_from: int | None = None
+        self.values: list[int] = []
+
+    def after(self, step: int, token_id: int, *, visible: bool) -> None:
+        text = self._detokenizer.feed(token_id) if visible else ""
+        if not self._detokenizer.pending:
+            self._partial_from = None
+        elif text or self._partial_from is None:
+            self._partial_from = step
+        held = [s.held_from for s in self._stages if s.held_from is not None]
+        partial = [self._partial_from] if self._partial_from is not None else []
+        self.values.append(min([step + 1, *held, *partial]))
+
+
 def run_pipeline(
     tokenized: Tokenized, stages: Sequence[TextStage], stop: StopStage | None = None
 ) -> PipelineRun:
     recorder = Recorder()
     pipeline = ChoicePipeline(tokenized.table, [*stages, recorder], stop=stop)
-    detokenizer = IncrementalDetokenizer(tokenized.table)
+    watermarks = Watermarks(tokenized.table, stages)
     chunks: list[tuple[int, Chunk]] = []
-    watermarks: list[int] = []
-    partial_from: int | None = None
     eos = tokenized.table.hidden
     for step, token_id in enumerate(tokenized.ids):
         visible = token_id not in eos
         chunks.extend((step, chunk) for chunk in pipeline.feed(token_id, visible=visible))
-        text = detokenizer.feed(token_id) if visible else ""
-        if not detokenizer.pending:
-            partial_from = None
-        elif text or partial_from is None:
-            partial_from = step
-        held = [s.held_from for s in stages if s.held_from is not None]
-        watermarks.append(
-            min([step + 1, *held, *([partial_from] if partial_from is not None else [])])
-        )
+        watermarks.after(step, token_id, visible=visible)
         if pipeline.stopped_by is not None:
             break
     finished = pipeline.finish()
@@ -393,7 +405,7 @@ def run_pipeline(
         chunks=chunks,
         final=finished.final,
         events=recorder.steps,
-        watermarks=watermarks,
+        watermarks=watermarks.values,
         tokens_fed=fed,
         counts=pipeline.channel_counts(),
         stopped_by=pipeline.stopped_by,
@@ -423,7 +435,7 @@ def _carries(chunk: Chunk, channel: Channel) -> bool:
     return bool(chunk.reasoning if channel is Channel.REASONING else chunk.content)
 
 
-def _home_chunks(run: PipelineRun) -> tuple[dict[int, tuple[Channel, int]], dict[int, Channel]]:
+def home_chunks(run: PipelineRun) -> tuple[dict[int, tuple[Channel, int]], dict[int, Channel]]:
     """Per token: (home channel, index of the chunk with its first home character);
     and per markup token the channel its markup names (if any)."""
     # Offsets of each token's first character in each channel's event stream.
@@ -508,7 +520,7 @@ def assert_contract(run: PipelineRun, expected: Routed | None = None) -> None:
     for channel in VISIBLE_CHANNELS:
         assert run.counts[channel] == sum(1 for c, _ in carried.values() if c is channel)
     # 2./3. home tokens travel with their first home character.
-    homes, markup = _home_chunks(run)
+    homes, markup = home_chunks(run)
     for token, home in homes.items():
         assert carried[token] == home, f"token {token}: carried {carried[token]}, home {home}"
     # Markup tokens: their markup's channel, in the first chunk of that channel

@@ -93,19 +93,18 @@ def _whole(options: TextPathOptions, text: str) -> Routed:
     return route(run_whole(stages, text).events)
 
 
+_MIXED = '<think>a<b</think>\n\nx<tool_call>{"name": "f", "arguments": {"k": "é"}}</tool_call>STOP'
+#: Reasoning, a near-miss tag, a tool call, a stop string and EOS, every third byte a cut.
+MIXED_CASE = (
+    TextPathOptions(reasoning_parser="qwen3", tool_parser="hermes", stop=("STOP",)),
+    _MIXED,
+    tokenize(_MIXED.encode(), range(1, 200, 3), eos=True),
+)
+
+
 @settings(max_examples=examples(300), deadline=None)
 @given(case=cases())
-@example(
-    case=(
-        TextPathOptions(reasoning_parser="qwen3", tool_parser="hermes", stop=("STOP",)),
-        '<think>a<b</think>\n\nx<tool_call>{"name": "f", "arguments": {"k": "é"}}</tool_call>STOP',
-        tokenize(
-            '<think>a<b</think>\n\nx<tool_call>{"name": "f", "arguments": {"k": "é"}}</tool_call>STOP'.encode(),
-            range(1, 200, 3),
-            eos=True,
-        ),
-    )
-)
+@example(case=MIXED_CASE)
 def test_alignment_contract(case: tuple[TextPathOptions, str, Tokenized]) -> None:
     options, text, tokenized = case
     stages, stop = build_stages(options)

@@ -323,3 +323,53 @@ def test_prime_named_and_required() -> None:
 def test_parameter_types(key: str, expected: bool) -> None:
     assert is_string_parameter(WEATHER, key) is expected
     assert is_string_parameter(None, key) is True
+
+
+TYPED = ToolSchema(
+    name="typed",
+    parameters={
+        "type": "object",
+        "properties": {
+            "colour": {"enum": ["red", "green"]},
+            "level": {"enum": [1, 2, "max"]},
+            "pinned": {"const": 3},
+            "label": {"const": "x"},
+            "maybe": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+            "either": {"oneOf": [{"type": "string"}, {"enum": ["a"]}]},
+            "mixed": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+            "unit": {"$ref": "#/$defs/Unit"},
+            "place": {"$ref": "#/$defs/Place"},
+            "loop": {"$ref": "#/$defs/Loop"},
+            "dangling": {"$ref": "#/$defs/Missing"},
+        },
+        "$defs": {
+            "Unit": {"enum": ["c", "f"], "type": "string"},
+            "Place": {"type": "object", "properties": {"x": {"type": "number"}}},
+            "Loop": {"$ref": "#/$defs/Loop"},
+        },
+    },
+)
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        ("colour", True),
+        ("level", False),
+        ("pinned", False),
+        ("label", True),
+        ("maybe", False),
+        ("either", True),
+        # A string is one of its values, but so is a number: read as JSON,
+        # where text that is not JSON still becomes a string.
+        ("mixed", False),
+        ("unit", True),
+        ("place", False),
+        ("loop", True),
+        ("dangling", True),
+    ],
+)
+def test_parameter_types_follow_values_alternatives_and_references(
+    key: str, expected: bool
+) -> None:
+    assert is_string_parameter(TYPED, key) is expected

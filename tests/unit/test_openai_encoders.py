@@ -28,6 +28,7 @@ from sluiceway.surfaces.openai.chat_encoder import (
     ReasoningField,
 )
 from sluiceway.surfaces.openai.completions_encoder import (
+    CompletionAccumulator,
     CompletionReplyConfig,
     CompletionStreamEncoder,
 )
@@ -35,7 +36,11 @@ from sluiceway.surfaces.openai.completions_encoder import (
 FIELDS: tuple[ReasoningField, ...] = ("reasoning_content", "reasoning", "both")
 
 
-def config(field: ReasoningField = "reasoning_content", usage: bool = False) -> ChatReplyConfig:
+def config(
+    field: ReasoningField = "reasoning_content",
+    usage: bool = False,
+    prompt_ids: tuple[int, ...] | None = None,
+) -> ChatReplyConfig:
     return ChatReplyConfig(
         completion_id="chatcmpl-1",
         created=7,
@@ -44,6 +49,7 @@ def config(field: ReasoningField = "reasoning_content", usage: bool = False) -> 
         logprobs=False,
         include_usage=usage,
         reasoning_field=field,
+        prompt_token_ids=prompt_ids,
     )
 
 
@@ -53,17 +59,25 @@ def config(field: ReasoningField = "reasoning_content", usage: bool = False) -> 
     reasoning=st.booleans(),
     field=st.sampled_from(FIELDS),
     usage=st.booleans(),
+    ids=st.none() | st.lists(st.integers(0, 10**6), max_size=3),
 )
 def test_text_frames_match_the_models(
-    text: str, index: int, reasoning: bool, field: ReasoningField, usage: bool
+    text: str,
+    index: int,
+    reasoning: bool,
+    field: ReasoningField,
+    usage: bool,
+    ids: list[int] | None,
 ) -> None:
+    token_ids = tuple(ids or ())
     delta = (
-        ChoiceDelta(index=index, reasoning=text)
+        ChoiceDelta(index=index, reasoning=text, token_ids=token_ids)
         if reasoning
-        else ChoiceDelta(index=index, content=text)
+        else ChoiceDelta(index=index, content=text, token_ids=token_ids)
     )
-    fast = ChatStreamEncoder(config(field, usage))
-    slow = ChatStreamEncoder(config(field, usage))
+    prompt_ids = None if ids is None else (1, 2)
+    fast = ChatStreamEncoder(config(field, usage, prompt_ids))
+    slow = ChatStreamEncoder(config(field, usage, prompt_ids))
     slow._text_frame = lambda _: None  # type: ignore[method-assign]
     framed = fast.encode(Deltas(deltas=(delta,)))
     assert framed.startswith(b"data: ")
@@ -75,9 +89,10 @@ def test_text_frames_match_the_models(
     texts=st.lists(st.tuples(st.integers(0, 2), st.text()), min_size=1, max_size=6),
     usage=st.booleans(),
     logprobs=st.sampled_from([None, 0, 2]),
+    with_ids=st.booleans(),
 )
 def test_completion_text_frames_match_the_models(
-    texts: list[tuple[int, str]], usage: bool, logprobs: int | None
+    texts: list[tuple[int, str]], usage: bool, logprobs: int | None, with_ids: bool
 ) -> None:
     def encoder() -> CompletionStreamEncoder:
         return CompletionStreamEncoder(
@@ -89,6 +104,7 @@ def test_completion_text_frames_match_the_models(
                 jobs=1,
                 logprobs=logprobs,
                 include_usage=usage,
+                prompt_token_ids=((4, 5),) if with_ids else None,
             )
         )
 
@@ -99,7 +115,10 @@ def test_completion_text_frames_match_the_models(
     # text_offset shows whether the fast path counted the text already sent.
     entry = LogprobEntry(token="x", token_id=1, logprob=-0.5, bytes=(120,), top_logprobs=())
     scored = ChoiceLogprobs(content=(entry,), content_offsets=(0,))
-    deltas = [ChoiceDelta(index=i, content=text) for i, text in texts]
+    deltas = [
+        ChoiceDelta(index=i, content=text, token_ids=(n,) if with_ids else ())
+        for n, (i, text) in enumerate(texts)
+    ]
     deltas.append(ChoiceDelta(index=texts[0][0], content="x", logprobs=scored))
     for delta in deltas:
         framed = fast.encode(Deltas(deltas=(delta,)))
@@ -191,3 +210,68 @@ def test_tokens_as_ids_is_the_surfaces_choice() -> None:
         ]
         (wire,) = choice["logprobs"]["content"]
         assert (wire["token"], wire["top_logprobs"][0]["token"]) == shown
+
+
+def test_return_token_ids_in_chat_streams_and_replies() -> None:
+    """Every choice's first chunk carries the prompt's ids; every chunk the
+    ids riding with it; the whole reply the same ids, merged."""
+    deltas = (
+        ChoiceDelta(index=0, reasoning="a", token_ids=(10, 11)),
+        ChoiceDelta(index=1, content="b", token_ids=(20,)),
+        ChoiceDelta(index=0, content="c", token_ids=(12,)),
+        ChoiceDelta(index=0, finish=FinishCause.EOS, token_ids=(13,)),
+        ChoiceDelta(index=1, finish=FinishCause.EOS, token_ids=(21,)),
+    )
+    stream = ChatStreamEncoder(config(prompt_ids=(1, 2)))
+    opening = [json.loads(f[6:]) for f in stream.start().split(b"\n\n") if f]
+    assert [c["prompt_token_ids"] for c in opening] == [[1, 2]] * 3
+    assert [c["choices"][0]["token_ids"] for c in opening] == [[]] * 3
+    frames = [json.loads(stream.encode(Deltas(deltas=(d,)))[6:]) for d in deltas]
+    assert all("prompt_token_ids" not in f for f in frames)
+    streamed = {
+        i: [
+            t for f in frames if f["choices"][0]["index"] == i for t in f["choices"][0]["token_ids"]
+        ]
+        for i in (0, 1)
+    }
+    assert streamed == {0: [10, 11, 12, 13], 1: [20, 21]}
+    accumulator = ChatAccumulator(config(prompt_ids=(1, 2)))
+    accumulator.add(Deltas(deltas=deltas))
+    accumulator.add(Completed(usage=Usage(prompt_tokens=2, completion_tokens=6)))
+    whole = json.loads(accumulator.to_json())
+    assert whole["prompt_token_ids"] == [1, 2]
+    assert [c["token_ids"] for c in whole["choices"]] == [[10, 11, 12, 13], [20, 21], []]
+    plain = ChatAccumulator(config())
+    plain.add(Deltas(deltas=deltas))
+    plain.add(Completed(usage=Usage(prompt_tokens=2, completion_tokens=6)))
+    unasked = json.loads(plain.to_json())
+    assert "prompt_token_ids" not in unasked
+    assert all("token_ids" not in c for c in unasked["choices"])
+
+
+def test_return_token_ids_in_completions() -> None:
+    """Per choice, as vLLM: the prompt's ids on its first fragment (each
+    prompt of a list its own), the generated ids on every one."""
+    reply = CompletionReplyConfig(
+        completion_id="c", created=1, model="m", n=1, jobs=2, prompt_token_ids=((1,), (2, 3))
+    )
+    deltas = (
+        ChoiceDelta(index=0, content="a", token_ids=(10,)),
+        ChoiceDelta(index=1, content="b", token_ids=(20,)),
+        ChoiceDelta(index=0, content="c", token_ids=(11,)),
+        ChoiceDelta(index=0, finish=FinishCause.EOS, token_ids=(12,)),
+        ChoiceDelta(index=1, finish=FinishCause.EOS, token_ids=()),
+    )
+    stream = CompletionStreamEncoder(reply)
+    frames = [json.loads(stream.encode(Deltas(deltas=(d,)))[6:])["choices"][0] for d in deltas]
+    assert [f.get("prompt_token_ids") for f in frames] == [[1], [2, 3], None, None, None]
+    assert [f["token_ids"] for f in frames] == [[10], [20], [11], [12], []]
+    accumulator = CompletionAccumulator(reply)
+    accumulator.add(Deltas(deltas=deltas))
+    for _ in range(2):
+        accumulator.add(Completed(usage=Usage(prompt_tokens=1, completion_tokens=2)))
+    whole = json.loads(accumulator.to_json())["choices"]
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in whole] == [
+        ([1], [10, 11, 12]),
+        ([2, 3], [20]),
+    ]

@@ -75,8 +75,8 @@ def _other_value(spec: dataclasses.Field[Any], default: Any) -> tuple[Any, list[
     if isinstance(default, float):
         value = default + 1.5
         return value, [flag, str(value)], str(value)
-    if isinstance(default, int):
-        value = default + 3
+    if isinstance(default, int) or str(spec.type).startswith("int"):
+        value = (default or 0) + 3
         return value, [flag, str(value)], str(value)
     text = '{"enable_thinking": false}' if spec.name.endswith("_kwargs") else "some-value"
     return text, [flag, text], text

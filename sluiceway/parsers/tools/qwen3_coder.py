@@ -121,12 +121,50 @@ def is_string_parameter(tool: ToolSchema | None, key: str) -> bool:
         return True
     properties = tool.parameters.get("properties")
     schema = properties.get(key) if isinstance(properties, Mapping) else None
-    declared = schema.get("type") if isinstance(schema, Mapping) else None
+    return _is_string_schema(schema, tool.parameters)
+
+
+def _is_string_schema(schema: object, root: Mapping[str, object], depth: int = 0) -> bool:
+    """A declared type decides; so do values that are all strings or not
+    (``enum``, ``const``) and alternatives that all take strings or not
+    (``anyOf``, ``oneOf``). A non-string value is read as JSON, which still
+    turns text that is not JSON into a string, so only a schema that takes
+    strings alone (or says nothing) is read as text."""
+    schema = resolved(schema, root)
+    if not isinstance(schema, Mapping):
+        return True
+    declared = schema.get("type")
     if isinstance(declared, str):
         return declared == "string"
     if isinstance(declared, list | tuple):
         return "string" in declared or not declared
+    if "const" in schema:
+        return isinstance(schema["const"], str)
+    values = schema.get("enum")
+    if isinstance(values, list) and values:
+        return all(isinstance(value, str) for value in values)
+    branches = schema.get("anyOf", schema.get("oneOf"))
+    if isinstance(branches, list) and branches and depth < _MAX_DEPTH:
+        return all(_is_string_schema(branch, root, depth + 1) for branch in branches)
     return True
+
+
+#: How deep alternatives and references are followed (schemas may be cyclic).
+_MAX_DEPTH = 8
+
+
+def resolved(schema: object, root: Mapping[str, object]) -> object:
+    """``schema``, or what its local ``$ref`` (``#/$defs/Name``) points to
+    in the tool's parameters ``root``."""
+    for _ in range(_MAX_DEPTH):
+        reference = schema.get("$ref") if isinstance(schema, Mapping) else None
+        if not isinstance(reference, str) or not reference.startswith("#/"):
+            return schema
+        target: object = root
+        for part in reference[2:].split("/"):
+            target = target.get(part) if isinstance(target, Mapping) else None
+        schema = target
+    return schema
 
 
 class Qwen3CoderParser(ToolCallParser[CoderPhase]):

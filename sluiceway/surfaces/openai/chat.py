@@ -4,13 +4,12 @@ and generation request, the reply through the chat encoder."""
 from __future__ import annotations
 
 import time
-
-import anyio
+from typing import Any, Literal, Protocol
 
 from sluiceway.parsers.registry import build_pipeline
 from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.protocol.messages import GenerationRequest
-from sluiceway.surfaces import validation
+from sluiceway.surfaces import structured, validation
 from sluiceway.surfaces.base import Call, Job, Serving, new_id, send_whole
 from sluiceway.surfaces.conversation import (
     Conversation,
@@ -21,7 +20,6 @@ from sluiceway.surfaces.conversation import (
     ToolChoice,
     ToolChoiceMode,
     ToolSpec,
-    render_conversation,
 )
 from sluiceway.surfaces.openai import fields
 from sluiceway.surfaces.openai.chat_encoder import (
@@ -29,7 +27,13 @@ from sluiceway.surfaces.openai.chat_encoder import (
     ChatReplyConfig,
     ChatStreamEncoder,
 )
-from sluiceway.surfaces.openai.chat_wire import ChatMessage, ChatRequest, NamedToolChoice
+from sluiceway.surfaces.openai.chat_wire import (
+    ChatMessage,
+    ChatRequest,
+    NamedToolChoice,
+    ResponseFormat,
+)
+from sluiceway.surfaces.openai.chat_wire import ToolSpec as ToolSpecWire
 from sluiceway.surfaces.openai.fields import OpenAIOptions
 
 _ROLES = {
@@ -64,7 +68,27 @@ def _message(message: ChatMessage) -> Message:
     )
 
 
-def conversation_of(request: ChatRequest) -> Conversation:
+class ConversationFields(Protocol):
+    """The fields of a request that make a conversation (a chat request's,
+    and the messages form of ``/tokenize``)."""
+
+    @property
+    def messages(self) -> list[ChatMessage]: ...
+
+    @property
+    def tools(self) -> list[ToolSpecWire] | None: ...
+
+    @property
+    def tool_choice(self) -> Literal["none", "auto", "required"] | NamedToolChoice | None: ...
+
+    @property
+    def parallel_tool_calls(self) -> bool: ...
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any] | None: ...
+
+
+def conversation_of(request: ConversationFields) -> Conversation:
     """The request's messages, tools and tool choice in neutral terms."""
     choice = request.tool_choice
     tool_choice = None
@@ -93,11 +117,25 @@ def _check(serving: Serving, request: ChatRequest) -> None:
     fields.check(request, serving)
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
-    if request.response_format is not None and request.response_format.type != "text":
-        raise InvalidRequest(
-            f"response_format {request.response_format.type!r} is not supported yet",
-            param="response_format",
-        )
+
+
+def response_format(response: ResponseFormat | None) -> structured.OutputFormat | None:
+    """``response_format`` as a format (None: free text)."""
+    if response is None or response.type == "text":
+        return None
+    if response.json_schema is None:
+        return structured.json_object_format(param="response_format")
+    schema = response.json_schema.schema_
+    return structured.json_schema_format(
+        {} if schema is None else schema, param="response_format.json_schema.schema"
+    )
+
+
+def output_format(request: ChatRequest) -> structured.OutputFormat | None:
+    return structured.single_format(
+        response_format(request.response_format),
+        structured.structured_outputs(request.structured_outputs),
+    )
 
 
 async def handle(options: OpenAIOptions, serving: Serving, call: Call) -> None:
@@ -108,8 +146,8 @@ async def handle(options: OpenAIOptions, serving: Serving, call: Call) -> None:
         include_stop_str_in_output=request.include_stop_str_in_output,
         min_tokens=request.min_tokens,
     )
-    prompt = await anyio.to_thread.run_sync(
-        render_conversation, serving, conversation_of(request), stops
+    prompt = await structured.constrained_prompt(
+        serving, conversation_of(request), stops, output_format(request)
     )
     per_token = request.logprobs or bool(request.logprob_token_ids)
     logprobs = validation.logprob_params(
@@ -133,6 +171,7 @@ async def handle(options: OpenAIOptions, serving: Serving, call: Call) -> None:
             names=_LIMIT_NAMES,
             prompt_tokens=len(prompt.ids),
         ),
+        constraint=prompt.constraint,
     )
     table = serving.tokenizer.table
     text_path = prompt.options
@@ -149,6 +188,7 @@ async def handle(options: OpenAIOptions, serving: Serving, call: Call) -> None:
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         reasoning_field=options.reasoning_field,
         tokens_as_ids=fields.tokens_as_ids(options, request),
+        prompt_token_ids=prompt.ids if request.return_token_ids else None,
     )
     jobs = [Job(generation, config)]
     if request.stream:

@@ -35,6 +35,7 @@ from sluiceway.surfaces.openai.encoding import (
     entries_wire,
     error_frame,
     finish_reason,
+    ids_json,
     prompt_entries_wire,
     tool_call_id,
     usage_wire,
@@ -55,6 +56,8 @@ class ChatReplyConfig:
     reasoning_field: ReasoningField = "reasoning_content"
     #: Logprob tokens as ``token_id:N``.
     tokens_as_ids: bool = False
+    #: ``return_token_ids``: the prompt's ids (None: ids were not asked for).
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 def _reasoning_fields(text: str | None, field_name: ReasoningField) -> dict[str, str | None]:
@@ -100,17 +103,28 @@ class ChatStreamEncoder:
 
     def __init__(self, config: ChatReplyConfig) -> None:
         self._config = config
+        self._with_ids = config.prompt_token_ids is not None
         self._prompt_logprobs: list[TokenLogprobWire | None] | None = None
-        # The frame of a text-only delta, around its index and text: most
-        # frames of a stream are these, and a template is several times
+        # The frame of a text-only delta, around its index, text and ids:
+        # most frames of a stream are these, and a template is several times
         # cheaper than building and dumping the models.
-        bare = self._chunk(
-            [ChunkChoiceWire(index=0, delta=DeltaWire(), logprobs=None, finish_reason=None)]
-        )
+        bare = self._chunk([self._choice(0, DeltaWire())])
         head, _, tail = bare.partition(b'{"index":0,"delta":{}')
-        self._head, self._tail = head + b'{"index":', tail
+        before, marker, after = tail.partition(b'"token_ids":[')
+        self._head, self._tail, self._ids_tail = head + b'{"index":', before + marker, after
 
-    def _chunk(self, choices: list[ChunkChoiceWire], usage: UsageWire | None = None) -> bytes:
+    def _choice(self, index: int, delta: DeltaWire, ids: tuple[int, ...] = ()) -> ChunkChoiceWire:
+        choice = ChunkChoiceWire(index=index, delta=delta, logprobs=None, finish_reason=None)
+        if self._with_ids:
+            choice.token_ids = list(ids)
+        return choice
+
+    def _chunk(
+        self,
+        choices: list[ChunkChoiceWire],
+        usage: UsageWire | None = None,
+        prompt_ids: tuple[int, ...] | None = None,
+    ) -> bytes:
         chunk = ChatChunk(
             id=self._config.completion_id,
             created=self._config.created,
@@ -121,20 +135,14 @@ class ChatStreamEncoder:
             chunk.usage = usage
         if self._prompt_logprobs is not None and choices:
             chunk.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
+        if prompt_ids is not None:
+            chunk.prompt_token_ids = list(prompt_ids)
         return sse(chunk.to_json())
 
     def start(self) -> bytes:
+        opening = DeltaWire(role="assistant", content="", refusal=None)
         return b"".join(
-            self._chunk(
-                [
-                    ChunkChoiceWire(
-                        index=index,
-                        delta=DeltaWire(role="assistant", content="", refusal=None),
-                        logprobs=None,
-                        finish_reason=None,
-                    )
-                ]
-            )
+            self._chunk([self._choice(index, opening)], prompt_ids=self._config.prompt_token_ids)
             for index in range(self._config.n)
         )
 
@@ -164,12 +172,12 @@ class ChatStreamEncoder:
             return fast
         config = self._config
         logprobs = delta.logprobs
-        choice = ChunkChoiceWire(
-            index=delta.index,
-            delta=_delta_wire(delta, config.reasoning_field),
-            logprobs=None if logprobs is None else _logprobs_wire(logprobs, config.tokens_as_ids),
-            finish_reason=finish_reason(delta),
+        choice = self._choice(
+            delta.index, _delta_wire(delta, config.reasoning_field), delta.token_ids
         )
+        if logprobs is not None:
+            choice.logprobs = _logprobs_wire(logprobs, config.tokens_as_ids)
+        choice.finish_reason = finish_reason(delta)
         if delta.finish is not None:
             choice.matched_stop = delta.matched_stop
         return self._chunk([choice])
@@ -190,7 +198,10 @@ class ChatStreamEncoder:
             text = json_string(delta.reasoning)
             names = _reasoning_fields(None, self._config.reasoning_field)
             fields = b",".join(b'"' + name.encode() + b'":' + text for name in names)
-        return self._head + str(delta.index).encode() + b',"delta":{' + fields + b"}" + self._tail
+        frame = self._head + str(delta.index).encode() + b',"delta":{' + fields + b"}" + self._tail
+        if self._with_ids:
+            frame += ids_json(delta.token_ids) + self._ids_tail
+        return frame
 
 
 @dataclass(slots=True)
@@ -210,8 +221,10 @@ class _ChoiceTotals:
     tool_entries: list[LogprobEntry] = field(default_factory=list)
     finish_reason: str = "stop"
     matched_stop: str | int | None = None
+    token_ids: list[int] = field(default_factory=list)
 
     def add(self, delta: ChoiceDelta) -> None:
+        self.token_ids += delta.token_ids
         self.content.append(delta.content)
         self.reasoning.append(delta.reasoning)
         for fragment in delta.tool_calls:
@@ -268,6 +281,8 @@ class ChatAccumulator:
                 self._config.prompt_logprobs,
                 self._config.tokens_as_ids,
             )
+        if self._config.prompt_token_ids is not None:
+            completion.prompt_token_ids = list(self._config.prompt_token_ids)
         return completion
 
     def _choice(self, index: int, totals: _ChoiceTotals) -> ChatChoiceWire:
@@ -298,10 +313,13 @@ class ChatAccumulator:
                 ),
                 self._config.tokens_as_ids,
             )
-        return ChatChoiceWire(
+        choice = ChatChoiceWire(
             index=index,
             message=message,
             logprobs=logprobs,
             finish_reason=totals.finish_reason,
             matched_stop=totals.matched_stop,
         )
+        if self._config.prompt_token_ids is not None:
+            choice.token_ids = totals.token_ids
+        return choice

@@ -14,6 +14,7 @@ from pydantic import (
 )
 
 from sluiceway.surfaces.openai.wire import TokenLogprobWire, UsageWire
+from sluiceway.surfaces.structured import StructuredOutputs
 from sluiceway.surfaces.wire import LenientModel, StrictModel, WireModel
 
 Probability = Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
@@ -88,8 +89,26 @@ class StreamOptions(StrictModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(StrictModel):
+    """``response_format.json_schema``."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+    description: str | None = None
+    # ``schema`` would shadow a BaseModel attribute.
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    #: The output is held to the schema whatever this says.
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(LenientModel):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_where_required(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema goes with type json_schema, and only with it")
+        return self
 
 
 class SamplingFields(StrictModel):
@@ -119,6 +138,8 @@ class SamplingFields(StrictModel):
     prompt_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
     logprob_token_ids: list[StrictInt] | None = None
     return_tokens_as_token_ids: StrictBool | None = None
+    return_token_ids: StrictBool = False
+    structured_outputs: StructuredOutputs | None = None
 
 
 class ChatRequest(SamplingFields):
@@ -181,6 +202,8 @@ class ChunkChoiceWire(WireModel):
     finish_reason: str | None
     #: Extension: the stop string or stop token id that ended the choice.
     matched_stop: str | int | None = None
+    #: Extension (``return_token_ids``): the generated ids this chunk carries.
+    token_ids: list[int] | None = None
 
 
 class ChatChunk(WireModel):
@@ -193,6 +216,8 @@ class ChatChunk(WireModel):
     usage: UsageWire | None = None
     #: Extension (``prompt_logprobs``): the prompt tokens' entries, the first null.
     prompt_logprobs: list[TokenLogprobWire | None] | None = None
+    #: Extension (``return_token_ids``): the prompt's ids, on each choice's first chunk.
+    prompt_token_ids: list[int] | None = None
 
 
 class ToolCallMessageWire(WireModel):
@@ -216,6 +241,8 @@ class ChatChoiceWire(WireModel):
     logprobs: ChoiceLogprobsWire | None
     finish_reason: str
     matched_stop: str | int | None = None
+    #: Extension (``return_token_ids``): every generated id, markup included.
+    token_ids: list[int] | None = None
 
 
 class ChatCompletion(WireModel):
@@ -228,3 +255,5 @@ class ChatCompletion(WireModel):
     usage: UsageWire
     #: Extension (``prompt_logprobs``): the prompt tokens' entries, the first null.
     prompt_logprobs: list[TokenLogprobWire | None] | None = None
+    #: Extension (``return_token_ids``): the ids of the prompt the model saw.
+    prompt_token_ids: list[int] | None = None

@@ -9,10 +9,11 @@ import anyio
 
 from sluiceway.parsers.detokenizer import IncrementalDetokenizer
 from sluiceway.parsers.registry import TextPathOptions, build_pipeline
+from sluiceway.protocol.constraints import Constraint
 from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.protocol.messages import GenerationRequest
 from sluiceway.protocol.tokens import TokenTable
-from sluiceway.surfaces import validation
+from sluiceway.surfaces import structured, validation
 from sluiceway.surfaces.base import Call, Job, Serving, new_id, send_whole
 from sluiceway.surfaces.openai import fields
 from sluiceway.surfaces.openai.completions_encoder import (
@@ -63,7 +64,10 @@ def prompt_ids(serving: Serving, request: CompletionRequest) -> list[tuple[int, 
 
 
 def _generation(
-    serving: Serving, request: CompletionRequest, ids: tuple[int, ...]
+    serving: Serving,
+    request: CompletionRequest,
+    ids: tuple[int, ...],
+    constraint: Constraint | None,
 ) -> GenerationRequest:
     per_token = request.logprobs is not None or bool(request.logprob_token_ids)
     echo_scores = request.logprobs if request.echo else None
@@ -91,6 +95,7 @@ def _generation(
             names=_LIMIT_NAMES,
             prompt_tokens=len(ids),
         ),
+        constraint=constraint,
     )
 
 
@@ -98,6 +103,8 @@ async def handle(options: OpenAIOptions, serving: Serving, call: Call) -> None:
     request = validation.parse_request(CompletionRequest, validation.parse_json(await call.body()))
     _check(serving, request)
     prompts = await anyio.to_thread.run_sync(prompt_ids, serving, request)
+    output = structured.structured_outputs(request.structured_outputs)
+    constraint = await structured.text_constraint(serving, output)
     table = serving.tokenizer.table
     text_path = TextPathOptions(
         stop=fields.stop_strings(request.stop),
@@ -106,7 +113,7 @@ async def handle(options: OpenAIOptions, serving: Serving, call: Call) -> None:
     )
     jobs = []
     for index, ids in enumerate(prompts):
-        generation = _generation(serving, request, ids)
+        generation = _generation(serving, request, ids, constraint)
         config = fields.output_config(
             serving,
             generation,
@@ -127,6 +134,7 @@ async def handle(options: OpenAIOptions, serving: Serving, call: Call) -> None:
         echoes=tuple(echo_of(table, ids, as_ids) for ids in prompts) if request.echo else None,
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         tokens_as_ids=as_ids,
+        prompt_token_ids=tuple(prompts) if request.return_token_ids else None,
     )
     if request.stream:
         await call.stream(jobs, CompletionStreamEncoder(reply))

@@ -30,6 +30,7 @@ from sluiceway.surfaces.openai.encoding import (
     KEEPALIVE,
     error_frame,
     finish_reason,
+    ids_json,
     prompt_entries_wire,
     token_text,
     usage_wire,
@@ -60,6 +61,8 @@ class CompletionReplyConfig:
     include_usage: bool = False
     #: Logprob tokens as ``token_id:N``.
     tokens_as_ids: bool = False
+    #: ``return_token_ids``: each prompt's ids (None: ids were not asked for).
+    prompt_token_ids: tuple[tuple[int, ...], ...] | None = None
 
 
 def _logprobs(
@@ -95,6 +98,8 @@ class CompletionFragments:
         total = config.n * config.jobs
         self._emitted = [0] * total
         self._waiting_prompt: dict[int, list[TokenLogprobWire | None]] = {}
+        #: Choices whose first fragment (which carries the prompt's ids) is to come.
+        self._ids_due = set(range(total)) if config.prompt_token_ids is not None else set()
         self._completed = 0
         self._usage = Usage(prompt_tokens=0, completion_tokens=0)
         self.failure: str | None = None
@@ -109,9 +114,28 @@ class CompletionFragments:
             echo = echoes[index // self.config.n]
             self._emitted[index] = len(echo.text)
             fragments.append(
-                CompletionChoiceWire(index=index, text=echo.text, logprobs=None, finish_reason=None)
+                self._with_ids(
+                    CompletionChoiceWire(
+                        index=index, text=echo.text, logprobs=None, finish_reason=None
+                    ),
+                    (),
+                )
             )
         return fragments
+
+    def _with_ids(
+        self, fragment: CompletionChoiceWire, ids: tuple[int, ...]
+    ) -> CompletionChoiceWire:
+        """``return_token_ids``: the fragment's ids, and on a choice's first
+        fragment its prompt's."""
+        prompts = self.config.prompt_token_ids
+        if prompts is None:
+            return fragment
+        fragment.token_ids = list(ids)
+        if fragment.index in self._ids_due:
+            self._ids_due.discard(fragment.index)
+            fragment.prompt_token_ids = list(prompts[fragment.index // self.config.n])
+        return fragment
 
     def fragments(self, event: EmitterEvent) -> list[CompletionChoiceWire]:
         if isinstance(event, Deltas):
@@ -124,6 +148,7 @@ class CompletionFragments:
                 prompt_tokens=self._usage.prompt_tokens + event.usage.prompt_tokens,
                 completion_tokens=self._usage.completion_tokens + event.usage.completion_tokens,
                 reasoning_tokens=self._usage.reasoning_tokens + event.usage.reasoning_tokens,
+                cached_tokens=self._usage.cached_tokens + event.usage.cached_tokens,
             )
         elif isinstance(event, Failed):
             self.failure = event.message
@@ -149,8 +174,11 @@ class CompletionFragments:
                 continue
             echo = config.echoes[index // config.n]
             self._emitted[index] = len(echo.text)
-            fragment = CompletionChoiceWire(
-                index=index, text=echo.text, logprobs=None, finish_reason=None
+            fragment = self._with_ids(
+                CompletionChoiceWire(
+                    index=index, text=echo.text, logprobs=None, finish_reason=None
+                ),
+                (),
             )
             if config.logprobs is not None:
                 fragment.logprobs = _logprobs(
@@ -172,6 +200,7 @@ class CompletionFragments:
             delta.finish is not None
             or (delta.logprobs is not None and self.config.logprobs is not None)
             or delta.index in self._waiting_prompt
+            or delta.index in self._ids_due
         ):
             return False
         self._emitted[delta.index] += len(delta.content)
@@ -202,7 +231,7 @@ class CompletionFragments:
         waiting = self._waiting_prompt.pop(delta.index, None)
         if waiting is not None:
             fragment.prompt_logprobs = waiting
-        return fragment
+        return self._with_ids(fragment, delta.token_ids)
 
 
 class CompletionStreamEncoder:
@@ -211,11 +240,13 @@ class CompletionStreamEncoder:
         self._config = config
         # Most frames of a stream carry only text: a template around the index
         # and the text is several times cheaper than building and dumping models.
-        bare = self._chunk(
-            CompletionChoiceWire(index=0, text="", logprobs=None, finish_reason=None)
-        )
-        head, _, tail = bare.partition(b'{"index":0,"text":""')
-        self._head, self._tail = head + b'{"index":', tail
+        self._with_ids = config.prompt_token_ids is not None
+        bare_choice = CompletionChoiceWire(index=0, text="", logprobs=None, finish_reason=None)
+        if self._with_ids:
+            bare_choice.token_ids = []
+        head, _, tail = self._chunk(bare_choice).partition(b'{"index":0,"text":""')
+        before, marker, after = tail.partition(b'"token_ids":[')
+        self._head, self._tail, self._ids_tail = head + b'{"index":', before + marker, after
 
     def _chunk(self, fragment: CompletionChoiceWire) -> bytes:
         chunk = Completion(
@@ -258,7 +289,10 @@ class CompletionStreamEncoder:
         if not self._fragments.text_only(delta):
             return self._chunk(self._fragments.fragment(delta))
         text = json_string(delta.content)
-        return self._head + str(delta.index).encode() + b',"text":' + text + self._tail
+        frame = self._head + str(delta.index).encode() + b',"text":' + text + self._tail
+        if self._with_ids:
+            frame += ids_json(delta.token_ids) + self._ids_tail
+        return frame
 
 
 @dataclass(slots=True)
@@ -272,9 +306,14 @@ class _Merged:
     finish_reason: str = "stop"
     matched_stop: str | int | None = None
     prompt_logprobs: list[TokenLogprobWire | None] | None = None
+    token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
 
     def add(self, fragment: CompletionChoiceWire) -> None:
         self.text.append(fragment.text)
+        self.token_ids += fragment.token_ids or ()
+        if fragment.prompt_token_ids is not None:
+            self.prompt_token_ids = fragment.prompt_token_ids
         if fragment.logprobs is not None:
             self.tokens += fragment.logprobs.tokens
             self.token_logprobs += fragment.logprobs.token_logprobs
@@ -341,4 +380,7 @@ class CompletionAccumulator:
         )
         if self._config.prompt_logprobs is not None:
             choice.prompt_logprobs = merged.prompt_logprobs
+        if self._config.prompt_token_ids is not None:
+            choice.prompt_token_ids = merged.prompt_token_ids
+            choice.token_ids = merged.token_ids
         return choice

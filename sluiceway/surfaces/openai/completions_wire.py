@@ -39,6 +39,10 @@ class CompletionChoiceWire(WireModel):
     matched_stop: str | int | None = None
     #: Extension (``prompt_logprobs``): the prompt tokens' entries, the first null.
     prompt_logprobs: list[TokenLogprobWire | None] | None = None
+    #: Extension (``return_token_ids``): this choice's prompt ids (on its first
+    #: chunk when streaming) and the generated ids this fragment carries.
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class Completion(WireModel):

@@ -55,12 +55,17 @@ def token_text(token: str, token_id: int, as_ids: bool) -> str:
     return f"token_id:{token_id}" if as_ids else token
 
 
+def ids_json(ids: tuple[int, ...]) -> bytes:
+    """Token ids as the inside of a JSON array (a template's ``token_ids``)."""
+    return ",".join(map(str, ids)).encode()
+
+
 def usage_wire(usage: Usage) -> UsageWire:
     return UsageWire(
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=0),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
         completion_tokens_details=CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens),
     )
 

@@ -3,7 +3,6 @@ onto the neutral checks and values (``sluiceway.surfaces.validation``)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,8 +13,6 @@ from sluiceway.protocol.messages import GenerationRequest, Limits, SamplingParam
 from sluiceway.surfaces import validation
 from sluiceway.surfaces.base import Serving
 from sluiceway.surfaces.openai.chat_wire import ReasoningField, SamplingFields
-
-_TOKEN_KEY = re.compile(r"-?\d+")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,11 +41,6 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def sampling_params(request: SamplingFields, vocab_size: int) -> SamplingParams:
-    bias = []
-    for key, value in (request.logit_bias or {}).items():
-        if not _TOKEN_KEY.fullmatch(key.strip()):
-            raise InvalidRequest(f"logit_bias key {key!r} is not a token id", param="logit_bias")
-        bias.append((int(key), float(value)))
     sampling = validation.Sampling(
         temperature=request.temperature,
         top_p=request.top_p,
@@ -58,7 +50,7 @@ def sampling_params(request: SamplingFields, vocab_size: int) -> SamplingParams:
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
         repetition_penalty=request.repetition_penalty,
-        logit_bias=tuple(bias),
+        logit_bias=validation.logit_bias(request.logit_bias),
     )
     return validation.sampling_params(sampling, vocab_size)
 
@@ -104,4 +96,5 @@ def output_config(
         make_pipeline=make_pipeline,
         logprobs=generation.logprobs.per_token,
         include_stop_token_text=request.include_stop_str_in_output,
+        token_ids=request.return_token_ids,
     )

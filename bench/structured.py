@@ -1,0 +1,278 @@
+"""Structured output's cost in the server: decode throughput with and without
+a constraint, in one run.
+
+    .venv/bin/python bench/structured.py [--engine auto] [--rounds 3] [--tokens 256]
+
+One server of ours on the serving benchmark's model (``bench/models.py``:
+Qwen3 512x8, 16k vocabulary), streaming ``/v1/completions``, greedy,
+``ignore_eos``, prompts of 64 tokens. The constraint is
+``structured_outputs.grammar``: JSON objects of a schema in an array that
+never closes, so every constrained request runs to ``--tokens`` as a free
+one does, and every token is masked. Phases, taking turns for ``--rounds``
+rounds (the host's drift falls on both sides alike):
+
+- ``c=1``: one free stream; one constrained stream;
+- ``c=16``: sixteen free streams; sixteen constrained streams;
+- ``c=16 mixed``: fifteen free streams beside one constrained stream. A step
+  with a constrained row leaves the greedy fast path (the engine's argmax,
+  decoding ahead): every row of it goes through the sampler. The free
+  streams' decode rate against sixteen free streams is what the one
+  constrained row costs its neighbours.
+
+Reported per phase: the streams' decode rate (tokens/s after each stream's
+first token), the median over rounds, each round's constrained ÷ free ratio,
+and the CPU others used on the host meanwhile (a shared host). Then, off the
+server, the mask's cost per token and row on the same vocabulary (llguidance
+filling the bitmask, the sampler applying it, the matcher advancing;
+``bench/grammar_mask.py``'s walk), for 1 and 16 rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from grammar_mask import walk
+from hostload import Span
+from loadgen import Level, Target, prompts_of_length, run_level, wait_healthy
+from models import serving_model, synthetic_corpus
+
+from sluiceway.engines.grammar import GrammarEngine, lark_json
+from sluiceway.engines.tokenizer import ModelTokenizer
+from sluiceway.protocol.constraints import Constraint, ConstraintKind
+from sluiceway.surfaces.tool_grammar import CallableTool, CallPlan, call_grammar
+
+ITEM = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "active"],
+    "additionalProperties": False,
+}
+#: JSON objects in an array that never closes: the grammar never completes.
+GRAMMAR = f'start: "[" item (", " item)*\nitem: {lark_json(ITEM)}\n'
+
+PROMPT_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    name: str
+    free: int
+    constrained: int
+
+
+PHASES = (
+    Phase("c=1 free", 1, 0),
+    Phase("c=1 constrained", 0, 1),
+    Phase("c=16 free", 16, 0),
+    Phase("c=16 constrained", 0, 16),
+    Phase("c=16 mixed", 15, 1),
+)
+
+
+@dataclass(slots=True)
+class Outcome:
+    #: Decode rate of the free and the constrained streams (tokens/s per stream, summed).
+    free: float
+    constrained: float
+    other_cores: float
+
+
+def per_stream(level: Level | None) -> float:
+    """Tokens/s of one stream after its first token (0 when there is none)."""
+    if level is None or not level.time_per_token:
+        return 0.0
+    return 1.0 / level.time_per_token
+
+
+async def run_phase(
+    phase: Phase, free: Target, constrained: Target, prompts: Iterator[str], tokens: int
+) -> Outcome:
+    span = Span.start()
+    runs = []
+    for target, count in ((free, phase.free), (constrained, phase.constrained)):
+        if count:
+            runs.append(
+                run_level(
+                    target, prompts, concurrency=count, requests_per_client=2, max_tokens=tokens
+                )
+            )
+    levels = await asyncio.gather(*runs)
+    for level in levels:
+        if level.errors:
+            raise RuntimeError(f"{phase.name}: {level.first_errors()}")
+    by_kind = iter(levels)
+    free_level = next(by_kind) if phase.free else None
+    constrained_level = next(by_kind) if phase.constrained else None
+    return Outcome(per_stream(free_level), per_stream(constrained_level), span.other_cores())
+
+
+def start_server(model: Path, engine: str, port: int) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable,
+        "-m",
+        "sluiceway",
+        "serve",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "bench",
+        "--port",
+        str(port),
+        "--engine",
+        engine,
+        "--log-level",
+        "warning",
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.Popen(command, env=env)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def measure(args: argparse.Namespace, model: Path) -> dict[str, list[Outcome]]:
+    port = free_port()
+    server = start_server(model, args.engine, port)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        await wait_healthy(base, 600, alive=lambda: server.poll() is None)
+        free = Target(base, "bench")
+        constrained = Target(base, "bench", extra=(("structured_outputs", {"grammar": GRAMMAR}),))
+        needed = (args.rounds + 1) * sum(2 * (p.free + p.constrained) for p in PHASES)
+        text = synthetic_corpus(seed=1, lines=4000)
+        prompts = iter(
+            prompts_of_length(str(model / "tokenizer.json"), text, PROMPT_TOKENS, needed)
+        )
+        warm = Phase("warm-up", 4, 4)
+        await run_phase(warm, free, constrained, prompts, 32)
+        results: dict[str, list[Outcome]] = {p.name: [] for p in PHASES}
+        for round_ in range(args.rounds):
+            for phase in PHASES:
+                outcome = await run_phase(phase, free, constrained, prompts, args.tokens)
+                results[phase.name].append(outcome)
+                print(
+                    f"  round {round_ + 1} {phase.name:17s} free {outcome.free:7.1f} tok/s/stream"
+                    f"  constrained {outcome.constrained:7.1f}  others {outcome.other_cores:.2f} cores",
+                    flush=True,
+                )
+        return results
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def ratio_line(label: str, over: list[float], under: list[float]) -> str:
+    ratios = [a / b for a, b in zip(over, under, strict=True) if b]
+    rounds = " ".join(f"{r:.3f}" for r in ratios)
+    return f"  {label:44s} {statistics.median(ratios):.3f}   (rounds: {rounds})"
+
+
+def report(results: dict[str, list[Outcome]]) -> None:
+    def rates(name: str, kind: str) -> list[float]:
+        return [getattr(o, kind) for o in results[name]]
+
+    print("\ndecode rate per stream (tokens/s, median of rounds):")
+    for name, outcomes in results.items():
+        free = statistics.median(o.free for o in outcomes)
+        constrained = statistics.median(o.constrained for o in outcomes)
+        others = max(o.other_cores for o in outcomes)
+        print(
+            f"  {name:17s} free {free:7.1f}  constrained {constrained:7.1f}  others ≤ {others:.2f} cores"
+        )
+    print("\nratios (per round, same round):")
+    print(
+        ratio_line(
+            "c=1: constrained ÷ free",
+            rates("c=1 constrained", "constrained"),
+            rates("c=1 free", "free"),
+        )
+    )
+    print(
+        ratio_line(
+            "c=16: constrained ÷ free",
+            rates("c=16 constrained", "constrained"),
+            rates("c=16 free", "free"),
+        )
+    )
+    print(
+        ratio_line(
+            "c=16: free beside one constrained ÷ all free",
+            rates("c=16 mixed", "free"),
+            rates("c=16 free", "free"),
+        )
+    )
+    print(
+        ratio_line(
+            "c=16: the one constrained ÷ free",
+            rates("c=16 mixed", "constrained"),
+            rates("c=16 free", "free"),
+        )
+    )
+
+
+def mask_costs(model: Path, tokens: int) -> None:
+    config = json.loads((model / "config.json").read_text())
+    tokenizer = ModelTokenizer(model, config["vocab_size"])
+    engine = GrammarEngine(tokenizer.hf, config["vocab_size"], tokenizer.eos_ids)
+    tools = CallPlan(
+        tools=(CallableTool(name="record", parameters=ITEM),), required=False, parallel=True
+    )
+    text = call_grammar(
+        "hermes", tools, lambda piece: engine.markup(piece, tokenizer.single_token(piece))
+    )
+    constraints = {
+        "the endless array": Constraint(kind=ConstraintKind.GRAMMAR, text=GRAMMAR),
+        # Free text beside a strict tool (tool_choice auto): every content token is masked.
+        "text or a strict call": Constraint(kind=ConstraintKind.GRAMMAR, text=text),
+    }
+    print(f"\nmasks off the server ({config['vocab_size']} ids), per row and token, median/p90:")
+    print(f"  {'grammar':22s} {'rows':>4s} {'fill µs':>12s} {'apply µs':>12s} {'consume µs':>12s}")
+    for label, constraint in constraints.items():
+        for rows in (1, 16):
+            times = walk(engine, constraint, rows, tokens, seed=1)
+            cells = []
+            for key in ("fill", "apply", "consume"):
+                values = sorted(times[key])
+                p90 = values[int(len(values) * 0.9)]
+                cells.append(f"{statistics.median(values) * 1e6:6.1f}/{p90 * 1e6:<5.0f}")
+            print(f"  {label:22s} {rows:4d} " + " ".join(f"{c:>12s}" for c in cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--engine", default="auto", choices=["auto", "mlx", "transformers"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=256, help="max_tokens of every request")
+    args = parser.parse_args()
+    model = serving_model()
+    print(
+        f"model {model}; engine {args.engine}; {args.rounds} rounds of {len(PHASES)} phases, {args.tokens} tokens per request"
+    )
+    results = asyncio.run(measure(args, model))
+    report(results)
+    mask_costs(model, 2000)
+
+
+if __name__ == "__main__":
+    main()
