@@ -19,10 +19,14 @@ from sluiceway.surfaces.base import (
     SurfaceHandler,
     bearer_token,
 )
-from sluiceway.surfaces.openai.wire import ErrorBody
 from sluiceway.surfaces.tokens import generate
 from sluiceway.surfaces.tokens.errors import render_error
-from sluiceway.surfaces.tokens.wire import GenerateChunk, GenerateReply, GenerateRequest
+from sluiceway.surfaces.tokens.wire import (
+    GenerateChunk,
+    GenerateError,
+    GenerateReply,
+    GenerateRequest,
+)
 
 __all__ = ["TokensSurface"]
 
@@ -44,7 +48,7 @@ class TokensSurface:
                     request=GenerateRequest,
                     response=GenerateReply,
                     event=GenerateChunk,
-                    error=ErrorBody,
+                    error=GenerateError,
                 )
             }
         }
