@@ -117,7 +117,10 @@ def _wrap(owner: Any, name: str, stage: str) -> None:
 
 def install() -> None:
     """Wrap the per-token path (see the module docstring)."""
+    import asyncio.base_events
+    import asyncio.events
     import asyncio.selector_events
+    import selectors
 
     import h11
 
@@ -125,10 +128,6 @@ def install() -> None:
     from sluiceway.parsers import detokenizer, pipeline
     from sluiceway.surfaces import wire
     from sluiceway.surfaces.openai import chat_encoder, completions_encoder, encoding
-
-    import asyncio.base_events
-    import asyncio.events
-    import selectors
 
     cls = scheduler.Scheduler
     for name in ("_absorb", "_plan", "_start", "_decide", "_deliver_samples", "_drain", "_row"):
