@@ -70,4 +70,5 @@ async def test_a_large_step_is_sampled_and_reduced_in_worker_threads() -> None:
     vocab = INLINE_LOGITS // 2 + 1
     sampled, hops = await _through_both(rows=2, vocab=vocab)
     assert hops == 2
-    assert sampled.logprobs is not None and len(sampled.token_ids) == 2
+    assert sampled.logprobs is not None
+    assert len(sampled.token_ids) == 2
