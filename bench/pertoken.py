@@ -95,7 +95,7 @@ def _timed(stage: str, function: Callable[..., Any]) -> Callable[..., Any]:
         if stack:  # the caller's time so far is the caller's
             caller = stack[-1]
             totals[caller[0]] = totals.get(caller[0], 0) + now - caller[1]
-        frame = [stage, now]
+        frame: list[Any] = [stage, now]
         stack.append(frame)
         try:
             return function(*args, **kwargs)
@@ -151,7 +151,8 @@ def install() -> None:
         if hasattr(module, "json_string"):
             _wrap(module, "json_string", "JSON (text)")
     _wrap(h11.Connection, "send", "HTTP framing (h11)")
-    _wrap(asyncio.selector_events._SelectorSocketTransport, "write", "socket write")
+    transport = getattr(asyncio.selector_events, "_SelectorSocketTransport")  # noqa: B009
+    _wrap(transport, "write", "socket write")
 
 
 def _thread_cpu() -> dict[int, tuple[str, int]]:
@@ -180,7 +181,7 @@ def _reset(*_: Any) -> None:
         _PROFILE["profile"] = profile = cProfile.Profile(time.thread_time)
         profile.enable()
     with _ALL_LOCK:
-        for _, totals, calls in _ALL:
+        for _name, totals, calls in _ALL:
             totals.clear()
             calls.clear()
     _BASE["threads"] = _thread_cpu()
