@@ -186,7 +186,7 @@ def own_routes(
         "/model_info": {"GET": own(about(introspection.model_info), "/model_info", public=False)},
         "/v1/loads": {"GET": own(about(introspection.loads), "/v1/loads", public=False)},
     }
-    for path, methods in playground.routes(page).items():
+    for path, methods in (playground.routes(page) if page else {}).items():
         table[path] = {
             method: Route(handler, default, public=True, path=path)
             for method, handler in methods.items()
