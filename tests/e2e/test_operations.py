@@ -113,7 +113,7 @@ FIELDS = st.sampled_from(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     fields=st.dictionaries(FIELDS, JSON, max_size=5),
     raw=st.binary(max_size=200),
@@ -123,6 +123,12 @@ def test_random_bodies_never_get_a_5xx(
     ops_server: RunningServer, fields: dict[str, Any], raw: bytes, as_raw: bool
 ) -> None:
     base = chat(ops_server, max_tokens=2)
+    # A valid request for many tokens is not a fault, only slow: keep any
+    # integer length small (wrong types and negatives stay as drawn).
+    for name, most in (("max_tokens", 4), ("n", 2)):
+        value = fields.get(name)
+        if type(value) is int and value > most:
+            fields[name] = most
     body = raw if as_raw else json.dumps({**base, **fields}, allow_nan=True).encode()
     reply = post(ops_server, body)
     assert reply.status_code < 500, (body[:300], reply.text)
