@@ -63,12 +63,14 @@ browser:
 # version its checked-in package-lock.json pins, installed with `npm ci` when a
 # (non-optional) package in node_modules is missing or at another version.
 # Without npm they are left out here and their tests fail, saying so.
+# npm ci has been seen to hang after its downloads; a bounded try, then one more.
+NPM_CI := timeout 300 npm ci --no-audit --no-fund
 CLIENT_DIRS := $(patsubst %/package-lock.json,%,$(wildcard tests/clients/*/package-lock.json))
 
 clients: $(STAMP)
 	@for dir in $(CLIENT_DIRS); do \
 		if ! command -v npm >/dev/null; then echo "npm missing: $$dir not installed"; continue; fi; \
-		$(BIN)/python scripts/npm_installed.py $$dir || (cd $$dir && npm ci --no-audit --no-fund) || exit 1; \
+		$(BIN)/python scripts/npm_installed.py $$dir || (cd $$dir && $(NPM_CI)) || (cd $$dir && $(NPM_CI)) || exit 1; \
 	done
 
 pytest: $(TORCH_STAMP) browser clients
