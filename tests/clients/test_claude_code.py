@@ -42,7 +42,7 @@ CLIENT_DIR = Path(__file__).parent / "claude-code"
 CONTEXT = 131072
 API_KEY = "sk-sluiceway-test"
 #: An access-log line: method, path and status.
-ACCESS = re.compile(r'"([A-Z]+) (\S+) [^"]*" (\d{3}) ')
+ACCESS = re.compile(r'"([A-Z]+) ([^\s"]+)(?: [^"]*)?" (\d{3}) ')
 
 
 def pinned_version() -> str:
