@@ -9,14 +9,12 @@ LOCK := requirements.lock
 STAMP := $(VENV)/.installed
 TORCH_STAMP := $(VENV)/.installed-torch
 # The Claude Code CLI at the version its npm lock pins (`make test-clients`).
-CLAUDE_CODE := tests/clients/claude-code
-CLIENTS_STAMP := $(CLAUDE_CODE)/node_modules/.installed
 # The newest releases pyproject.toml allows, ignoring the lock (`make test-latest`).
 LATEST := .venv-latest
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-clients lint typecheck check-lock browser pytest test-latest lock lock-upgrade bench clean
+.PHONY: serve test lint typecheck check-lock browser clients pytest test-clients test-latest lock lock-upgrade bench clean
 
 # The build tools come first, from the lock, so that the editable install
 # builds without fetching unlocked ones into an isolated environment.
@@ -61,22 +59,31 @@ browser:
 		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; \
 	fi
 
-pytest: $(TORCH_STAMP) browser
+# The real client CLIs the client tests drive (tests/clients/*/), each at the
+# version its checked-in package-lock.json pins, installed with `npm ci` when a
+# (non-optional) package in node_modules is missing or at another version.
+# Without npm they are left out here and their tests fail, saying so.
+# npm ci has been seen to hang after its downloads; a bounded try, then one more.
+NPM_CI := timeout 300 npm ci --no-audit --no-fund
+CLIENT_DIRS := $(patsubst %/package-lock.json,%,$(wildcard tests/clients/*/package-lock.json))
+
+clients: $(STAMP)
+	@for dir in $(CLIENT_DIRS); do \
+		if ! command -v npm >/dev/null; then echo "npm missing: $$dir not installed"; continue; fi; \
+		$(BIN)/python scripts/npm_installed.py $$dir || (cd $$dir && $(NPM_CI)) || (cd $$dir && $(NPM_CI)) || exit 1; \
+	done
+
+pytest: $(TORCH_STAMP) browser clients
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # pytest's exit code 5 (nothing collected) fails this target like any other.
 test: lint typecheck check-lock pytest
 
-# The pinned clients, exactly as locked (the test installs them the same way
-# when run alone, and checks the installed version against the lock).
-$(CLIENTS_STAMP): $(CLAUDE_CODE)/package.json $(CLAUDE_CODE)/package-lock.json
-	cd $(CLAUDE_CODE) && npm ci --no-audit --no-fund
-	touch $(CLIENTS_STAMP)
-
-# Real third-party clients against the server (the Claude Code CLI): minutes
-# of long-prompt prefill, so apart from `make test` (pyproject deselects them).
-test-clients: $(TORCH_STAMP) $(CLIENTS_STAMP)
-	$(BIN)/python -m pytest -m clients tests/clients $(PYTEST_ARGS)
+# Only the tests that drive a real client CLI (tests/clients; `make test` runs
+# them too), installed by `clients` above: they need Node.js, and the npm
+# registry once.
+test-clients: $(TORCH_STAMP) clients
+	$(BIN)/python -m pytest -m client $(PYTEST_ARGS)
 
 # Types and the suite on the newest releases that pyproject.toml allows, in a
 # virtualenv of their own, ignoring the lock: a registry release that breaks
@@ -113,4 +120,4 @@ bench: $(TORCH_STAMP)
 	$(BIN)/python bench/serve.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(LATEST) .pytest_cache .mypy_cache .ruff_cache $(CLAUDE_CODE)/node_modules
+	rm -rf $(VENV) $(LATEST) .pytest_cache .mypy_cache .ruff_cache tests/clients/*/node_modules

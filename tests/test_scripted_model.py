@@ -8,6 +8,7 @@ prompt is the chat template's rendering with ``chat_template_kwargs``.
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -358,3 +359,78 @@ def test_invalid_scripts(tmp_path: Path, scripts: list[Script], message: str) ->
 def test_invalid_script(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Script(**kwargs)
+
+
+# -- priorities and a long context ----------------------------------------------
+
+#: Two scripts that continue from the same token, one outranking the other.
+LOW = Script("low", ("@", "low1", " low2"))
+HIGH = Script("high", ("@", "high1", " high2"), priority=1)
+LONG_CONTEXT = 49152
+
+
+@pytest.fixture(scope="module")
+def ranked(tmp_path_factory: pytest.TempPathFactory) -> ScriptedModel:
+    return build_scripted_model(
+        tmp_path_factory.mktemp("ranked"), [LOW, HIGH], max_position_embeddings=LONG_CONTEXT
+    )
+
+
+@pytest.fixture(scope="module")
+def ranked_tokenizer(ranked: ScriptedModel) -> ModelTokenizer:
+    source = resolve_model(str(ranked.path))
+    return ModelTokenizer(source.path, source.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def ranked_mlx(ranked: ScriptedModel) -> Iterator[MlxEngine]:
+    engine = MlxEngine(resolve_model(str(ranked.path)))
+    yield engine
+    engine.close()
+
+
+def after_both(ranked: ScriptedModel, first: str, second: str, filler: str = " filler ") -> str:
+    """A prompt holding both selectors, ending with the token both scripts continue from."""
+    return "hi" + ranked.selector(first) + filler + ranked.selector(second) + " then @"
+
+
+@pytest.mark.parametrize(("first", "second"), [("low", "high"), ("high", "low")])
+def test_a_higher_priority_selector_outranks_a_lower_one(
+    ranked: ScriptedModel,
+    ranked_tokenizer: ModelTokenizer,
+    ranked_mlx: MlxEngine,
+    first: str,
+    second: str,
+) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = ranked_tokenizer.encode_prompt(after_both(ranked, first, second))
+    assert prompt[-1] == ranked.piece_ids["high"][0]
+    want = ranked.token_ids("high")[1:]
+    assert mlx_greedy(ranked_mlx, prompt, len(want) + 2, ranked.eos_id) == want
+    model: Any = AutoModelForCausalLM.from_pretrained(str(ranked.path), dtype=torch.float32)
+    ids = torch.tensor([prompt])
+    out = model.eval().generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=len(want) + 2,
+        pad_token_id=ranked.eos_id,
+    )
+    assert out[0, ids.shape[1] :].tolist() == want
+
+
+def test_a_selector_holds_across_a_long_context(
+    ranked: ScriptedModel, ranked_tokenizer: ModelTokenizer, ranked_mlx: MlxEngine
+) -> None:
+    """``rope_theta`` is raised with the context, so that a selector 40k
+    tokens back still outranks one near the end (with the default 1e6 its
+    key would have turned by 1.3 rad there)."""
+    config = json.loads((ranked.path / "config.json").read_text())
+    assert config["max_position_embeddings"] == LONG_CONTEXT
+    assert config["rope_theta"] > 1e6
+    prompt = ranked_tokenizer.encode_prompt(after_both(ranked, "high", "low", "z" * 40_000))
+    assert len(prompt) > 40_000
+    want = ranked.token_ids("high")[1:]
+    assert mlx_greedy(ranked_mlx, prompt, len(want) + 2, ranked.eos_id) == want

@@ -10,6 +10,14 @@ object stream: the scheduler drops each step's message in without waiting,
 and the one reader waits on a plain event. A memory stream's ``receive``
 passes a checkpoint before it waits, which costs the event loop a whole extra
 turn per streamed token.
+
+A mailbox may have a high-water mark (``limit``). The writer never waits or
+refuses a message; instead the mailbox reports ``full`` once ``limit``
+messages wait unread, and stays full until the reader has taken it down to
+half of that, when it calls ``on_drained``. The scheduler reads ``full`` to
+pause a request whose client does not keep up, and the drained call tells it
+to resume: a stalled reader costs its request a bounded buffer, not a
+generation that runs on.
 """
 
 from __future__ import annotations
@@ -49,14 +57,31 @@ def event_factory() -> Callable[[], anyio.Event]:
 
 
 class _MailboxState(Generic[T]):
-    __slots__ = ("make_event", "messages", "reader_closed", "waiter", "writer_closed")
+    __slots__ = (
+        "full",
+        "limit",
+        "make_event",
+        "messages",
+        "on_drained",
+        "reader_closed",
+        "waiter",
+        "writer_closed",
+    )
 
-    def __init__(self, make_event: Callable[[], anyio.Event]) -> None:
+    def __init__(
+        self,
+        make_event: Callable[[], anyio.Event],
+        limit: int | None,
+        on_drained: Callable[[], None] | None,
+    ) -> None:
         self.messages: deque[T] = deque()
         self.waiter: anyio.Event | None = None
         self.make_event = make_event
         self.writer_closed = False
         self.reader_closed = False
+        self.limit = limit
+        self.on_drained = on_drained
+        self.full = False
 
     def wake(self) -> None:
         if self.waiter is not None:
@@ -65,7 +90,7 @@ class _MailboxState(Generic[T]):
 
 
 class MailboxWriter(Generic[T]):
-    """The sending half: never waits (the mailbox is unbounded)."""
+    """The sending half: never waits and never refuses (``full`` is advice)."""
 
     __slots__ = ("_state",)
 
@@ -81,7 +106,15 @@ class MailboxWriter(Generic[T]):
         if state.reader_closed:
             raise anyio.BrokenResourceError
         state.messages.append(message)
+        if state.limit is not None and len(state.messages) >= state.limit:
+            state.full = True
         state.wake()
+
+    @property
+    def full(self) -> bool:
+        """Whether the reader is ``limit`` messages behind (and has not yet
+        caught up to half of that)."""
+        return self._state.full
 
     def close(self) -> None:
         """No more messages: the reader gets ``EndOfStream`` after the last one."""
@@ -104,7 +137,12 @@ class MailboxReader(Generic[T]):
         if state.reader_closed:
             raise anyio.ClosedResourceError
         if state.messages:
-            return state.messages.popleft()
+            message = state.messages.popleft()
+            if state.full and len(state.messages) * 2 <= (state.limit or 0):
+                state.full = False
+                if state.on_drained is not None:
+                    state.on_drained()
+            return message
         if state.writer_closed:
             raise anyio.EndOfStream
         raise anyio.WouldBlock
@@ -146,7 +184,12 @@ class MailboxReader(Generic[T]):
 Mailbox = tuple[MailboxWriter[T], MailboxReader[T]]
 
 
-def open_mailbox() -> Mailbox[T]:
-    """An unbounded one-reader channel; open it inside the event loop that uses it."""
-    state: _MailboxState[T] = _MailboxState(event_factory())
+def open_mailbox(
+    limit: int | None = None, on_drained: Callable[[], None] | None = None
+) -> Mailbox[T]:
+    """A one-reader channel that never blocks its writer; with a ``limit``,
+    it reports ``full`` past it and calls ``on_drained`` once the reader has
+    caught up (see the module's docstring). Open it inside the event loop
+    that uses it."""
+    state: _MailboxState[T] = _MailboxState(event_factory(), limit, on_drained)
     return MailboxWriter(state), MailboxReader(state)

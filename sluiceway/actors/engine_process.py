@@ -15,6 +15,10 @@ Steps are sent and their replies read on the event loop; the other calls
 (loading, closing, and the single-call methods of the engine interface that
 tests use) run on the engine thread. The scheduler never has a step in flight
 while one of those runs, so messages never interleave on the pipe.
+
+A child that dies (killed, out of memory) fails the steps under way; the
+scheduler sees it gone (``alive``) and calls :meth:`ProcessEngine.restart`,
+which starts a fresh child from the same spec.
 """
 
 from __future__ import annotations
@@ -70,25 +74,45 @@ class ProcessEngine:
     """An :class:`~sluiceway.engines.base.Engine` whose calls run in a child process."""
 
     def __init__(self, spec: EngineSpec) -> None:
+        self._spec = spec
+        self._info: EngineInfo = self._spawn()
+
+    def _spawn(self) -> EngineInfo:
+        #: The pipe broke: the child is gone, even before it can be reaped.
+        self._broken = False
         # spawn, not fork: the parent may already hold threads and a torch
         # or mlx runtime, which do not survive a fork.
         context = multiprocessing.get_context("spawn")
         self._conn, child_end = context.Pipe(duplex=True)
         self._process = context.Process(
-            target=_child_main, args=(child_end, spec), name="sluiceway-engine", daemon=True
+            target=_child_main, args=(child_end, self._spec), name="sluiceway-engine", daemon=True
         )
-        with _environment_added(spec.environment):
+        with _environment_added(self._spec.environment):
             self._process.start()
         child_end.close()
         try:
-            self._info: EngineInfo = self._receive()
+            info: EngineInfo = self._receive()
         except BaseException:
             self._stop()
             raise
+        return info
 
     @property
     def info(self) -> EngineInfo:
         return self._info
+
+    @property
+    def alive(self) -> bool:
+        return not self._broken and self._process.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def restart(self) -> None:
+        """Start a fresh child (the old one is gone, or is killed first)."""
+        self._stop()
+        self._info = self._spawn()
 
     def start_step(self, plan: StepPlan) -> PendingStep:
         """Send ``plan`` from the event loop; the reply is awaited there too.
@@ -142,12 +166,14 @@ class ProcessEngine:
         try:
             self._conn.send((method, args, kwargs))
         except OSError as error:
+            self._broken = True
             raise EngineProcessError(f"the engine process is gone ({error})") from error
 
     def _receive(self) -> Any:
         try:
             status, value = self._conn.recv()
         except (EOFError, OSError) as error:
+            self._broken = True
             code = self._process.exitcode
             raise EngineProcessError(f"the engine process is gone (exit code {code})") from error
         if status == "error":

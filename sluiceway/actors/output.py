@@ -297,7 +297,7 @@ class RequestOutputs:
             return []
         if isinstance(message, RequestFailed):
             self.ended = True  # no usage follows a failure
-            return [Failed(message=message.message)]
+            return [Failed(message=message.message, cause=message.cause)]
         return []
 
     def close(self) -> list[EmitterEvent]:

@@ -1,8 +1,9 @@
 """The logprob reducer actor: keeps only the logprobs rows asked for.
 
 A step with no row asking passes straight through at the cost of one channel
-hop; otherwise the reduction runs in a worker thread and the logits are
-released with the message it sends on.
+hop; otherwise the reduction runs in a worker thread (on the event loop when
+the logits are few, as the sampler does) and the logits are released with the
+message it sends on.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from sluiceway.actors.logprobs import reduce_rows
+from sluiceway.actors.sampler import INLINE_LOGITS
 from sluiceway.protocol.messages import SampledStep
 
 
@@ -29,7 +31,10 @@ async def run(
 ) -> None:
     async with receive, send:
         async for step in receive:
-            if step.logits is None and step.processed is None:
+            source = step.processed if step.processed is not None else step.logits
+            if source is None:
                 await send.send(step)
-                continue
-            await send.send(await anyio.to_thread.run_sync(reduce_step, step))
+            elif source.size <= INLINE_LOGITS:
+                await send.send(reduce_step(step))
+            else:
+                await send.send(await anyio.to_thread.run_sync(reduce_step, step))

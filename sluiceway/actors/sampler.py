@@ -47,9 +47,22 @@ def sample_step(sampler: Sampler, step: LogitsStep, config: SamplerConfig) -> Sa
     )
 
 
+#: A step with at most this many logits is sampled on the event loop: on so
+#: few numbers NumPy's calls are too short to release the GIL for long, so a
+#: worker thread buys no parallelism and costs two thread hops and their task
+#: switches (``bench/pertoken-results.md``). 1 << 16 is 34 rows of the tiny
+#: default model, or half a row of a 150k vocabulary: a large vocabulary's
+#: rows, where the sort and cumulative sums take milliseconds, stay in a
+#: worker thread.
+INLINE_LOGITS = 1 << 16
+
+
 def _is_cheap(step: LogitsStep) -> bool:
-    """A plain greedy step is one argmax: cheaper than two thread hops."""
-    return all(row.plain for row in step.rows)
+    """A plain greedy step is one argmax, and a small unconstrained step a
+    few short NumPy calls: cheaper than two thread hops."""
+    if all(row.plain for row in step.rows):
+        return True
+    return step.logits.size <= INLINE_LOGITS and all(row.constraint is None for row in step.rows)
 
 
 async def run(

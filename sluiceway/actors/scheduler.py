@@ -25,6 +25,22 @@ reducer when it is wired) and are fanned out to each request's output
 channel. Rows that finish, and requests that are cancelled, leave before the
 next step. Engine state is only touched from that worker thread, one call at
 a time.
+
+Pacing. A request whose reader falls behind (its output mailbox is ``full``)
+leaves the batch: its rows are freed, their KV caches with them (the engines
+advance every running row together, so a row cannot sit out a step in
+place), and the others decode as if it were not there. When its reader has
+caught up (a ``Resume`` command wakes the scheduler) and a row is free, each
+of its choices is prefilled again with its prompt and the tokens it has
+generated (vLLM's preemption by recomputation) and rejoins the batch where
+it left off; restoring comes before admitting new requests. A request paused
+for longer than ``stall_timeout`` ends (``FailureCause.STALLED``).
+
+Engine loss. An engine that can die and be restarted (``Restartable``: one
+in a child process) is checked when a step fails, and while the scheduler
+waits; once it is gone every request fails (``FailureCause.ENGINE``), new
+submissions are refused (``ServiceUnavailable``) and the engine is restarted,
+a bounded number of times.
 """
 
 from __future__ import annotations
@@ -32,9 +48,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import anyio
 import numpy as np
@@ -52,10 +70,12 @@ from sluiceway.actors.engine_work import (
 from sluiceway.actors.prefix_cache import Hold, PrefixCacheStats, PrefixIndex
 from sluiceway.actors.run_ahead import SteppingThread
 from sluiceway.engines.base import Engine, EngineInfo, KeepKV
-from sluiceway.protocol.errors import Overloaded
+from sluiceway.protocol.errors import Overloaded, ServiceUnavailable
 from sluiceway.protocol.messages import (
+    Backlog,
     Cancel,
     ConstraintReport,
+    FailureCause,
     FinishCause,
     FinishChoice,
     GenerationRequest,
@@ -65,6 +85,7 @@ from sluiceway.protocol.messages import (
     PromptScores,
     RequestFailed,
     RequestOutput,
+    Resume,
     Row,
     SampledStep,
     SchedulerCommand,
@@ -78,12 +99,35 @@ from sluiceway.protocol.messages import (
 logger = logging.getLogger(__name__)
 
 
+#: How often an idle scheduler checks that a restartable engine still lives.
+LIVENESS_POLL_SECONDS = 1.0
+#: Restarts of a lost engine before the scheduler gives up (and /health says so).
+RESTART_ATTEMPTS = 3
+RESTART_BACKOFF_SECONDS = 1.0
+
+
+@runtime_checkable
+class Restartable(Protocol):
+    """An engine that can be lost and started again (one in a child process)."""
+
+    @property
+    def alive(self) -> bool: ...
+
+    def restart(self) -> None:
+        """Start a fresh engine (blocking: it loads the model); raises on failure."""
+        ...
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
     eos_ids: frozenset[int]
     max_num_seqs: int = 32
     max_queued_requests: int = 256
     prefill_chunk_tokens: int = 2048
+    #: A request paused this long by a reader that does not keep up ends (None: never).
+    stall_timeout: float | None = None
+    #: Called with each request's seconds in the queue, when it is admitted.
+    on_admitted: Callable[[float], None] | None = None
     #: What the prefix cache may hold, in bytes; 0 turns it off.
     prefix_cache_bytes: int = 0
 
@@ -98,6 +142,19 @@ class _Choice:
     row: Row | None = None
     #: Every token sampled, with the prefix cache on (to key the row's KV).
     tokens: list[int] | None = None
+    #: The ids generated so far (to rebuild the KV cache after a pause).
+    ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Restore:
+    """A paused choice being prefilled back into a new slot."""
+
+    choice: _Choice
+    slot: int
+    tokens: tuple[int, ...]
+    #: Tokens prefilled so far.
+    done: int = 0
 
 
 @dataclass(slots=True)
@@ -108,6 +165,9 @@ class _Request:
     slots: tuple[int, ...] = ()
     prefilled: int = 0
     scores: list[TokenLogprob | None] | None = None
+    arrived: float = field(default_factory=time.monotonic)
+    #: Since when its reader has been too far behind (None: it keeps up).
+    paused_since: float | None = None
     #: The prefix-cache path that holds the prompt's first tokens.
     hold: Hold | None = None
     #: Prompt tokens restored from the cache, and the entries to restore them from.
@@ -133,19 +193,41 @@ class SchedulerHandle:
         self.running_rows = 0
         #: Rows not reserved by a running or prefilling request, as of the last step.
         self.free_rows = config.max_num_seqs
+        #: Tokens held in the running rows' KV caches (prompt and generated).
+        self.cached_tokens = 0
+        #: Requests whose reader is too far behind (their rows wait).
+        self.paused_requests = 0
+        #: False while the engine is lost (being restarted, or given up on).
+        self.engine_available = True
+        #: Why new requests are refused (the server draining), if they are.
+        self.refusal: str | None = None
         #: The prefix cache's counters, when it is on.
         self.prefix_cache: PrefixCacheStats | None = None
 
-    def submit(self, request: GenerationRequest, output: Outbox[RequestOutput]) -> None:
+    def submit(
+        self,
+        request: GenerationRequest,
+        output: Outbox[RequestOutput],
+        *,
+        backlog: Backlog | None = None,
+    ) -> None:
+        if self.refusal is not None:
+            raise ServiceUnavailable(self.refusal)
+        if not self.engine_available:
+            raise ServiceUnavailable("the engine is restarting; retry shortly")
         # Requests that free rows will take at once do not count as waiting.
         waiting = self.queued - self.free_rows
         if waiting >= self._config.max_queued_requests:
             raise Overloaded(f"the server has {waiting} requests waiting, its limit; retry shortly")
         self.queued += 1
-        self._inbox.send_nowait(Submit(request=request, output=output))
+        self._inbox.send_nowait(Submit(request=request, output=output, backlog=backlog))
 
     def cancel(self, request_id: str) -> None:
         self._send(Cancel(request_id=request_id))
+
+    def resume(self, request_id: str) -> None:
+        """The request's reader caught up: its rows may decode again."""
+        self._send(Resume(request_id=request_id))
 
     def close(self) -> None:
         """No more submissions: the scheduler returns once its inbox is drained."""
@@ -184,16 +266,21 @@ class Scheduler:
             if isinstance(engine, StepChannel)
             else SteppingThread(engine, thread).start
         )
+        self._restartable = engine if isinstance(engine, Restartable) else None
         self._config = config
         self._handle = handle
         self._waiting: deque[_Request] = deque()
         self._prefilling: list[_Request] = []
         self._requests: dict[str, _Request] = {}
         self._rows: dict[int, _Choice] = {}
+        #: Choices out of the batch because their reader fell behind.
+        self._paused: list[_Choice] = []
+        self._restoring: dict[int, _Restore] = {}
         self._to_free: list[int] = []
         self._next_slot = 0
         self._step = 0
-        self._prefix = _prefix_index(config, engine.info)
+        self._info = engine.info
+        self._prefix = _prefix_index(config, self._info)
         if self._prefix is not None:
             handle.prefix_cache = self._prefix.stats
 
@@ -208,19 +295,20 @@ class Scheduler:
                 step: tuple[StepPlan, PendingStep] | None = None
                 while True:
                     if step is None:
-                        if not self._busy():
-                            try:
-                                self._handle_command(await inbox.receive())
-                            except anyio.EndOfStream:
-                                return
                         self._drain(inbox)
                         step = self._start(self._plan())
                         if step is None:
                             self._publish_counters()
+                            if not await self._wait(inbox):
+                                return
                             continue
                     plan, running = step
-                    batch = self._absorb(plan, await running.result())
+                    outcome = await running.result()
+                    batch = self._absorb(plan, outcome)
                     step = None
+                    if _failed(outcome) and self._engine_lost():
+                        await self._recover()
+                        continue
                     if batch.greedy is not None:
                         # The engine picked the tokens: start the next step
                         # before fanning this one out, so the engine never
@@ -238,6 +326,67 @@ class Scheduler:
                         self._close(request)
                     plan = StepPlan(frees=self._take_frees())
                     await self._start_step(plan).result()
+
+    async def _wait(self, inbox: MemoryObjectReceiveStream[SchedulerCommand]) -> bool:
+        """Nothing to do: wait for a command (False once the inbox is closed),
+        waking to end stalled requests and to check that the engine lives."""
+        with anyio.move_on_after(self._wait_limit()):
+            try:
+                self._handle_command(await inbox.receive())
+            except anyio.EndOfStream:
+                return False
+        if self._engine_lost():
+            await self._recover()
+        return True
+
+    def _wait_limit(self) -> float:
+        limit = math.inf
+        timeout = self._config.stall_timeout
+        if timeout is not None:
+            for request in self._requests.values():
+                if request.paused_since is not None:
+                    limit = min(limit, request.paused_since + timeout - time.monotonic())
+        if self._restartable is not None:
+            limit = min(limit, LIVENESS_POLL_SECONDS)
+        return max(limit, 0.0)
+
+    # --- engine loss --------------------------------------------------------
+
+    def _engine_lost(self) -> bool:
+        return self._restartable is not None and not self._restartable.alive
+
+    async def _recover(self) -> None:
+        """Fail every request, then restart the engine (a few times at most)."""
+        engine = self._restartable
+        assert engine is not None
+        self._handle.engine_available = False
+        for request in list(self._requests.values()):
+            self._fail(request, "the engine process was lost")
+        self._to_free.clear()  # those slots died with the engine
+        self._restoring.clear()
+        if self._prefix is not None:
+            # The cached KV died with the engine too.
+            self._prefix = _prefix_index(self._config, self._info)
+            self._handle.prefix_cache = self._prefix.stats if self._prefix else None
+        self._publish_counters()
+        for attempt in range(1, RESTART_ATTEMPTS + 1):
+            logger.error(
+                "the engine process is gone; restarting it (attempt %d of %d)",
+                attempt,
+                RESTART_ATTEMPTS,
+            )
+            try:
+                await anyio.to_thread.run_sync(engine.restart)
+            except Exception:
+                logger.exception("the engine process did not restart")
+                await anyio.sleep(RESTART_BACKOFF_SECONDS * attempt)
+                continue
+            logger.info("the engine process is back")
+            self._handle.engine_available = True
+            return
+        logger.critical("the engine process could not be restarted; not serving")
+        # Stays unavailable: /health answers 503 so that a supervisor restarts us.
+        self._restartable = None
 
     # --- commands ---------------------------------------------------------
 
@@ -259,6 +408,8 @@ class Scheduler:
             return  # already finished
         if isinstance(command, Cancel):
             self._close(request)
+        elif isinstance(command, Resume):
+            pass  # the next plan sees its backlog drained
         elif (choice := request.choices.get(command.choice)) is not None:
             self._drop_choice(request, choice, keep=True)
 
@@ -269,13 +420,9 @@ class Scheduler:
             return None
         return plan, self._start_step(plan)
 
-    def _busy(self) -> bool:
-        if self._rows or self._prefilling or self._to_free or self._can_admit():
-            return True
-        return self._prefix is not None and self._prefix.has_ops
-
     def _reserved_rows(self) -> int:
-        return len(self._rows) + sum(r.spec.n for r in self._prefilling)
+        reserved = len(self._rows) + len(self._restoring)
+        return reserved + sum(r.spec.n for r in self._prefilling)
 
     def _can_admit(self) -> bool:
         if not self._waiting:
@@ -284,6 +431,7 @@ class Scheduler:
         return reserved == 0 or reserved + self._waiting[0].spec.n <= self._config.max_num_seqs
 
     def _plan(self) -> StepPlan | None:
+        self._pause_lagging()
         budget = self._config.prefill_chunk_tokens
         prefills = []
         for request in self._prefilling:
@@ -292,6 +440,9 @@ class Scheduler:
             work = self._next_chunk(request, budget)
             budget -= len(work.tokens)
             prefills.append(work)
+        restores = self._plan_restores(budget)
+        budget -= sum(len(work.tokens) for work in restores)
+        prefills += restores
         while budget > 0 and self._can_admit():
             request = self._admit(self._waiting.popleft())
             work = self._next_chunk(request, budget)
@@ -316,8 +467,85 @@ class Scheduler:
             greedy=greedy,
         )
 
+    # --- pacing -------------------------------------------------------------
+
+    def _pause_lagging(self) -> None:
+        """Take the rows of requests whose reader fell behind out of the
+        batch; end the requests paused past the stall timeout."""
+        lagging = [c for c in self._rows.values() if c.generated > 0 and _lags(c.request)]
+        for choice in lagging:
+            self._rows.pop(choice.slot)
+            self._to_free.append(choice.slot)
+            self._paused.append(choice)
+            if choice.request.paused_since is None:
+                choice.request.paused_since = time.monotonic()
+        if not self._paused:
+            return
+        for request in {c.request.spec.request_id: c.request for c in self._paused}.values():
+            if self._stalled(request):
+                logger.warning(
+                    "request %s stalled: its client stopped reading", request.spec.request_id
+                )
+                self._fail(request, "the client stopped reading", FailureCause.STALLED)
+
+    def _stalled(self, request: _Request) -> bool:
+        timeout = self._config.stall_timeout
+        since = request.paused_since
+        return timeout is not None and since is not None and time.monotonic() - since >= timeout
+
+    def _plan_restores(self, budget: int) -> list[PrefillWork]:
+        """Prefill work that brings paused choices back, once their reader
+        caught up: those under way first, then new ones while rows are free."""
+        for choice in list(self._paused):
+            if _lags(choice.request):
+                continue
+            if self._reserved_rows() >= self._config.max_num_seqs:
+                break
+            self._paused.remove(choice)
+            choice.request.paused_since = None
+            tokens = choice.request.spec.prompt_ids + tuple(choice.ids[:-1])
+            slot = self._new_slot()
+            self._restoring[slot] = _Restore(choice, slot, tokens)
+        works = []
+        for restore in self._restoring.values():
+            if budget <= 0:
+                break
+            end = min(len(restore.tokens), restore.done + budget)
+            if end == restore.done:
+                continue  # the last chunk is under way
+            works.append(
+                PrefillWork(
+                    request_id=restore.choice.request.spec.request_id,
+                    slot=restore.slot,
+                    tokens=restore.tokens[restore.done : end],
+                    final=False,
+                )
+            )
+            budget -= end - restore.done
+            restore.done = end
+        return works
+
+    def _restored(self, work: PrefillWork, error: str | None) -> None:
+        """A restore's chunk came back; after the last, the choice rejoins."""
+        restore = self._restoring.get(work.slot)
+        if restore is None:
+            return
+        request = restore.choice.request
+        if error is not None:
+            self._restoring.pop(work.slot)
+            self._to_free.append(work.slot)
+            if request.spec.request_id in self._requests:
+                self._fail(request, error)
+            return
+        if restore.done == len(restore.tokens):  # that was the last chunk
+            self._restoring.pop(work.slot)
+            restore.choice.slot = work.slot
+            self._rows[work.slot] = restore.choice
+
     def _admit(self, request: _Request) -> _Request:
         self._handle.queued -= 1
+        if self._config.on_admitted is not None:
+            self._config.on_admitted(time.monotonic() - request.arrived)
         spec = request.spec
         request.slots = tuple(self._new_slot() for _ in range(spec.n))
         if spec.logprobs.prompt_top is not None:
@@ -381,6 +609,9 @@ class Scheduler:
             self._settle_cache(self._prefix, plan, outcome)
         rows = _Batch()
         for work, result in zip(plan.prefills, outcome.prefills, strict=True):
+            if work.slot in self._restoring:
+                self._restored(work, result.error)
+                continue
             request = self._requests.get(work.request_id)
             if request is None:
                 continue
@@ -517,6 +748,7 @@ class Scheduler:
             token = int(token)
             choice.generated += 1
             choice.last_token = token
+            choice.ids.append(token)
             if choice.tokens is not None:
                 choice.tokens.append(token)
             finish = self._finish_cause(choice, token, grammar_complete=index in complete)
@@ -591,13 +823,19 @@ class Scheduler:
         if request in self._prefilling:
             self._prefilling.remove(request)
             self._to_free += request.slots
+        self._paused = [c for c in self._paused if c.request is not request]
+        for slot in [s for s, r in self._restoring.items() if r.choice.request is request]:
+            del self._restoring[slot]
+            self._to_free.append(slot)
         if request.hold is not None and self._prefix is not None:
             self._prefix.release(request.hold)
             request.hold = None
         request.submit.output.close()
 
-    def _fail(self, request: _Request, message: str) -> None:
-        self._deliver(request, RequestFailed(message=message))
+    def _fail(
+        self, request: _Request, message: str, cause: FailureCause = FailureCause.ENGINE
+    ) -> None:
+        self._deliver(request, RequestFailed(message=message, cause=cause))
         self._close(request)
 
     def _take_frees(self) -> tuple[int, ...]:
@@ -605,9 +843,14 @@ class Scheduler:
         return frees
 
     def _publish_counters(self) -> None:
-        self._handle.running_requests = len(self._requests) - len(self._waiting)
-        self._handle.running_rows = len(self._rows)
-        self._handle.free_rows = max(0, self._config.max_num_seqs - self._reserved_rows())
+        handle = self._handle
+        handle.running_requests = len(self._requests) - len(self._waiting)
+        handle.running_rows = len(self._rows)
+        handle.free_rows = max(0, self._config.max_num_seqs - self._reserved_rows())
+        handle.paused_requests = len({c.request.spec.request_id for c in self._paused})
+        handle.cached_tokens = sum(
+            len(c.request.spec.prompt_ids) + c.generated for c in self._rows.values()
+        ) + sum(r.prefilled for r in self._prefilling)
 
     def _new_slot(self) -> int:
         self._next_slot += 1
@@ -641,6 +884,16 @@ class _Batch:
     def logits(self) -> np.ndarray:
         # The usual step is one decode block, passed on without a copy.
         return self.blocks[0] if len(self.blocks) == 1 else np.concatenate(self.blocks)
+
+
+def _lags(request: _Request) -> bool:
+    """Whether the request's reader is too far behind."""
+    backlog = request.submit.backlog
+    return backlog is not None and backlog.full
+
+
+def _failed(outcome: StepOutcome) -> bool:
+    return outcome.decode_error is not None or any(p.error for p in outcome.prefills)
 
 
 def _prefix_index(config: SchedulerConfig, info: EngineInfo) -> PrefixIndex | None:

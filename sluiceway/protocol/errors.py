@@ -90,7 +90,21 @@ class Overloaded(ClientError):
 
 
 class ServiceUnavailable(ClientError):
+    """The server cannot take the request now (loading, draining, its engine
+    restarting); the client should retry, here or elsewhere."""
+
     status = 503
+    kind = ErrorKind.SERVER
+
+    def __init__(self, message: str, *, retry_after_seconds: int = 1) -> None:
+        super().__init__(message, code="unavailable")
+        self.retry_after_seconds = retry_after_seconds
+
+
+class DeadlineExceeded(ApiError):
+    """The request ran past the server's time limit (``--request-timeout``)."""
+
+    status = 504
     kind = ErrorKind.SERVER
 
 

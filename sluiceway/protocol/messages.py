@@ -109,10 +109,22 @@ class Outbox(Protocol[T_contra]):
     def close(self) -> None: ...
 
 
+class Backlog(Protocol):
+    """How far a request's reader is behind (a mailbox with a limit)."""
+
+    @property
+    def full(self) -> bool:
+        """The reader is too far behind: the request's rows should wait."""
+        ...
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Submit:
     request: GenerationRequest
     output: Outbox[RequestOutput]
+    #: The output's fill level, when its reader may fall behind; a full
+    #: backlog pauses the request's rows (a :class:`Resume` wakes them).
+    backlog: Backlog | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,7 +140,14 @@ class FinishChoice:
     choice: int
 
 
-SchedulerCommand = Submit | Cancel | FinishChoice
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resume:
+    """A paused request's reader has caught up."""
+
+    request_id: str
+
+
+SchedulerCommand = Submit | Cancel | FinishChoice | Resume
 
 
 # --- scheduler <-> sampler <-> reducer -------------------------------------
@@ -243,6 +262,20 @@ class PromptScores:
     entries: tuple[TokenLogprob | None, ...]
 
 
+class FailureCause(enum.Enum):
+    """Why a request ended without finishing; a surface may spell it (an
+    error type, a status for a whole reply)."""
+
+    #: The engine failed (an error at a step, its process gone).
+    ENGINE = "engine"
+    #: The server is shutting down and its grace period is over.
+    SHUTDOWN = "shutdown"
+    #: The request ran past ``--request-timeout``.
+    DEADLINE = "deadline"
+    #: The client stopped reading for longer than ``--stall-timeout``.
+    STALLED = "stalled"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PromptCached:
     """The first ``tokens`` prompt tokens came from the prefix cache (sent
@@ -254,6 +287,7 @@ class PromptCached:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RequestFailed:
     message: str
+    cause: FailureCause = FailureCause.ENGINE
 
 
 RequestOutput = StepOutput | PromptScores | PromptCached | RequestFailed
@@ -361,6 +395,7 @@ class Completed:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Failed:
     message: str
+    cause: FailureCause = FailureCause.ENGINE
 
 
 EmitterEvent = Deltas | PromptLogprobs | Completed | Failed

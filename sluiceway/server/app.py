@@ -1,32 +1,43 @@
-"""The ASGI application: lifespan (load the model, run the pipeline) and
-HTTP dispatch. Each route belongs to a surface, which reads the request's
-API key and renders its errors; this layer speaks no API's dialect."""
+"""The ASGI application: lifespan (load the model in the background, run the
+pipeline) and HTTP dispatch. Each route belongs to a surface, which reads
+the request's API key and renders its errors; this layer speaks no API's
+dialect."""
 
 from __future__ import annotations
 
 import functools
 import hmac
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import cast
 
 import anyio
 
 from sluiceway.actors.scheduler import SchedulerConfig, SchedulerHandle
-from sluiceway.protocol.errors import ApiError, AuthenticationFailed, InternalError, NotFound
-from sluiceway.server import playground
+from sluiceway.protocol.errors import (
+    ApiError,
+    AuthenticationFailed,
+    InternalError,
+    ServiceUnavailable,
+)
+from sluiceway.server import introspection, openapi, playground
 from sluiceway.server.config import ServerConfig
-from sluiceway.server.exchange import HttpCall, Submitter
-from sluiceway.server.health import health
+from sluiceway.server.cors import Cors
+from sluiceway.server.exchange import HttpCall, Submitter, Tracking
 from sluiceway.server.http import (
     ClientDisconnected,
     Message,
     Receive,
     Scope,
     Send,
+    send_bytes,
     send_error,
 )
+from sluiceway.server.lifecycle import Lifecycle
+from sluiceway.server.metrics import Metrics
 from sluiceway.server.parsing import choose_parsers
+from sluiceway.server.record import RequestRecord, request_id
 from sluiceway.server.routing import Router, merge_routes
 from sluiceway.server.runtime import (
     LoadedModel,
@@ -36,8 +47,10 @@ from sluiceway.server.runtime import (
     run_pipeline,
 )
 from sluiceway.server.state import ServerState
+from sluiceway.server.supervision import Supervisor
 from sluiceway.surfaces.anthropic import AnthropicSurface
 from sluiceway.surfaces.base import (
+    Call,
     Fallback,
     Headers,
     HeaderTest,
@@ -47,9 +60,11 @@ from sluiceway.surfaces.base import (
     WhenHeaders,
 )
 from sluiceway.surfaces.openai import OpenAIOptions, OpenAISurface
+from sluiceway.surfaces.responses import ResponsesSurface
 from sluiceway.surfaces.tokens import TokensSurface
 
 logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("sluiceway.access")
 
 
 def surfaces(config: ServerConfig) -> tuple[Surface, ...]:
@@ -64,6 +79,7 @@ def surfaces(config: ServerConfig) -> tuple[Surface, ...]:
         ),
         TokensSurface(),
         AnthropicSurface(),
+        ResponsesSurface(),
     )
 
 
@@ -75,6 +91,10 @@ class Route:
     surface: Surface
     #: Answers without an API key.
     public: bool = False
+    #: Answers while the model loads (the handler then gets no serving context).
+    early: bool = False
+    #: The path pattern, for metrics and logs.
+    path: str = ""
     #: Other surfaces' routes on the same path and method, each taking the
     #: requests its header test picks (:class:`WhenHeaders`); tried in order.
     alternatives: tuple[tuple[HeaderTest, Route], ...] = ()
@@ -95,7 +115,7 @@ def surface_routes(surface: Surface) -> RouteTable:
     table: RouteTable = {}
     for path, methods in surface.routes().items():
         own = {
-            method: Route(spec, surface)
+            method: Route(spec, surface, path=path)
             for method, spec in methods.items()
             if not isinstance(spec, WhenHeaders | Fallback)
         }
@@ -114,11 +134,11 @@ def shared_routes(table: RouteTable, speaks: tuple[Surface, ...]) -> RouteTable:
         for path, methods in surface.routes().items():
             for method, spec in methods.items():
                 if isinstance(spec, Fallback):
-                    route = Route(spec.handler, surface, public=spec.public)
+                    route = Route(spec.handler, surface, public=spec.public, path=path)
                     fallbacks.setdefault(path, {})[method] = route
                 elif isinstance(spec, WhenHeaders):
                     slot = merged.setdefault(path, {})
-                    route = Route(spec.handler, surface)
+                    route = Route(spec.handler, surface, path=path)
                     default = slot.get(method)
                     slot[method] = (
                         route
@@ -138,28 +158,54 @@ def surfaces_table(speaks: tuple[Surface, ...], own: RouteTable | None = None) -
     return shared_routes(claimed, speaks)
 
 
-def route_table(
-    state: ServerState, speaks: tuple[Surface, ...], page: Mapping[str, playground.Asset]
-) -> Router[Route]:
-    """Every route: the server's own (``/health``, the playground ``page``
-    unless it is off) and each surface's. The server's own answer without an
-    API key; their errors take the default surface's shape."""
+def own_routes(
+    lifecycle: Lifecycle, speaks: tuple[Surface, ...], page: Mapping[str, playground.Asset]
+) -> dict[str, dict[str, Route]]:
+    """The server's own routes; their errors take the default surface's shape.
+    All answer while the model loads; all but the discovery routes (which name
+    the model's path) and the load report answer without an API key."""
     default = speaks[0]
-    own: dict[str, Mapping[str, SurfaceHandler]] = {
-        "/health": {"GET": functools.partial(health, state)}
+
+    def own(handler: SurfaceHandler, path: str, *, public: bool = True) -> Route:
+        return Route(handler, default, public=public, early=True, path=path)
+
+    def about(handler: Callable[[Lifecycle, Serving, Call], Awaitable[None]]) -> SurfaceHandler:
+        return functools.partial(handler, lifecycle)
+
+    table = {
+        "/health": {"GET": own(about(introspection.health), "/health")},
+        "/ready": {"GET": own(about(introspection.ready), "/ready")},
+        "/metrics": {"GET": own(about(introspection.metrics), "/metrics")},
+        "/version": {"GET": own(about(introspection.version), "/version")},
+        "/openapi.json": {
+            "GET": own(functools.partial(openapi.serve, openapi.document(speaks)), "/openapi.json")
+        },
+        "/server_info": {
+            "GET": own(about(introspection.server_info), "/server_info", public=False)
+        },
+        "/model_info": {"GET": own(about(introspection.model_info), "/model_info", public=False)},
+        "/v1/loads": {"GET": own(about(introspection.loads), "/v1/loads", public=False)},
     }
-    if page:
-        own |= playground.routes(page)
-    public = {
-        path: {method: Route(handler, default, public=True) for method, handler in methods.items()}
-        for path, methods in own.items()
-    }
-    return Router(surfaces_table(speaks, public))
+    for path, methods in (playground.routes(page) if page else {}).items():
+        table[path] = {
+            method: Route(handler, default, public=True, path=path)
+            for method, handler in methods.items()
+        }
+    return table
+
+
+def route_table(
+    lifecycle: Lifecycle, speaks: tuple[Surface, ...], page: Mapping[str, playground.Asset]
+) -> Router[Route]:
+    """Every route: the server's own (``/health``, ``/metrics``, the
+    playground ``page`` unless it is off, ...) and each surface's."""
+    own = own_routes(lifecycle, speaks, page)
+    return Router(surfaces_table(speaks, own))
 
 
 @dataclass(frozen=True, slots=True)
 class Live:
-    """What requests need once the server is up."""
+    """What requests need once the model is loaded."""
 
     router: Router[Route]
     serving: Serving
@@ -168,8 +214,12 @@ class Live:
     def is_public(self, path: str) -> bool:
         """Whether every route on ``path`` answers without an API key (a
         wrong method there is then answered 405, not 401)."""
-        methods = self.router.routes.get(path, {})
-        return bool(methods) and all(route.public for route in methods.values())
+        return _is_public(self.router, path)
+
+
+def _is_public(router: Router[Route], path: str) -> bool:
+    methods = router.routes.get(path, {})
+    return bool(methods) and all(route.public for route in methods.values())
 
 
 class SluicewayApp:
@@ -181,8 +231,18 @@ class SluicewayApp:
     def __init__(self, config: ServerConfig, speaks: tuple[Surface, ...] | None = None) -> None:
         self.config = config
         self.surfaces = surfaces(config) if speaks is None else speaks
+        self.api_key = config.key()
+        self.cors = Cors(config.origins())
+        self.supervisor = Supervisor(
+            request_timeout=config.request_timeout or None,
+            stall_timeout=config.stall_timeout or None,
+        )
+        self.metrics = Metrics(config.model_name)
+        self.lifecycle = Lifecycle(config, self.metrics, self.supervisor)
+        self.metrics.watch(self.lifecycle.load, self.lifecycle.prefix_cache)
         #: The playground's files, read once (none with ``--no-playground``).
         self.page = playground.load_assets() if config.playground else {}
+        self.router = route_table(self.lifecycle, self.surfaces, self.page)
         #: Set once the model is loaded and the pipeline runs.
         self.live: Live | None = None
 
@@ -192,17 +252,36 @@ class SluicewayApp:
         elif scope["type"] == "http":
             await self._http(scope, receive, send)
 
+    async def drain(self) -> None:
+        """Stop admitting and let running requests finish (see :mod:`lifecycle`)."""
+        await self.lifecycle.drain()
+
     # --- lifespan -----------------------------------------------------------
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         message = await receive()
         if message["type"] != "lifespan.startup":
             return
+        self.lifecycle.fatal = anyio.Event()
+        async with anyio.create_task_group() as group:
+            group.start_soon(self._serve_model)
+            group.start_soon(self.supervisor.watch)
+            await send({"type": "lifespan.startup.complete"})
+            await receive()  # lifespan.shutdown
+            group.cancel_scope.cancel()
+        model = self.lifecycle.model
+        if model is not None:
+            await model.thread.run(model.engine.close)
+            model.thread.close()
+        await send({"type": "lifespan.shutdown.complete"})
+
+    async def _serve_model(self) -> None:
+        """Load the model, then run the pipeline until the server stops."""
         try:
             model = await load_model(self.config)
-        except Exception as error:
-            logger.exception("start-up failed")
-            await send({"type": "lifespan.startup.failed", "message": str(error)})
+        except Exception:
+            logger.exception("loading the model failed; the server cannot serve")
+            self.lifecycle.failed()
             return
         async with anyio.create_task_group() as group:
             handle = await group.start(
@@ -214,12 +293,6 @@ class SluicewayApp:
                 )
             )
             self._ready(model, handle)
-            await send({"type": "lifespan.startup.complete"})
-            await receive()  # lifespan.shutdown
-            group.cancel_scope.cancel()
-        await model.thread.run(model.engine.close)
-        model.thread.close()
-        await send({"type": "lifespan.shutdown.complete"})
 
     def _scheduler_config(self, model: LoadedModel) -> SchedulerConfig:
         return SchedulerConfig(
@@ -227,6 +300,8 @@ class SluicewayApp:
             max_num_seqs=self.config.max_num_seqs,
             max_queued_requests=self.config.max_queued_requests,
             prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+            stall_timeout=self.config.stall_timeout or None,
+            on_admitted=self.metrics.queue_time.observe,
             prefix_cache_bytes=prefix_cache_bytes(self.config, model.engine),
         )
 
@@ -234,69 +309,89 @@ class SluicewayApp:
         state = ServerState(
             self.config, model, handle, choose_parsers(self.config, model.tokenizer)
         )
-        self.live = Live(route_table(state, self.surfaces, self.page), state.serving(), handle)
+        self.live = Live(self.router, state.serving(), handle)
+        self.lifecycle.loaded(model, handle)
+        logger.info("ready to serve %s", self.config.model_name)
 
     # --- http ---------------------------------------------------------------
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = False
+        headers: Headers = scope.get("headers", ())
+        record = RequestRecord(request_id(headers), scope["method"], scope["path"])
+        extra = [(b"x-request-id", record.request_id.encode()), *self.cors.reply_headers(headers)]
 
         async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), *extra]}
             await send(message)
 
+        try:
+            await self._dispatch(scope, receive, tracking_send, record)
+        finally:
+            self.metrics.finished(record)
+            access_logger.info("%s", record.log_line())
+
+    async def _dispatch(
+        self, scope: Scope, receive: Receive, send: Send, record: RequestRecord
+    ) -> None:
+        preflight = self.cors.preflight(scope["method"], scope.get("headers", ()))
+        if preflight is not None:
+            await send_bytes(send, 204, b"", preflight)
+            return
         surface = self.surfaces[0]
         try:
-            live = self._live(scope)
-            found, params = self._resolve(live, scope)
+            live = self.live
+            found, params = self._resolve(live.router if live else self.router, scope)
             route = found.pick(scope.get("headers", ()))
             surface = route.surface
+            record.route, record.surface = route.path, surface.name
             if not route.public:
                 self._authenticate(surface, scope)
+            if live is None and not route.early:
+                raise ServiceUnavailable("the server is loading its model; retry shortly")
             call = HttpCall(
                 scope,
                 receive,
-                tracking_send,
-                live.scheduler,
+                send,
+                cast(Submitter, live.scheduler if live else None),
                 params,
                 self.config.max_body_bytes,
                 self.config.keepalive_seconds,
+                Tracking(self.supervisor, record),
             )
-            await route.handler(live.serving, call)
+            await route.handler(cast(Serving, live.serving if live else None), call)
         except ClientDisconnected:
-            return
+            record.status = record.status or 499
         except ApiError as error:
-            if not started:
+            if record.status is None:
                 await send_error(send, error, surface.render_error(error))
         except Exception:
             logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
-            if not started:
+            if record.status is None:
                 failure = InternalError("the server failed to handle this request")
                 await send_error(send, failure, surface.render_error(failure))
 
-    def _live(self, scope: Scope) -> Live:
-        if self.live is None:
-            raise NotFound("the server is still starting")
-        return self.live
-
-    def _resolve(self, live: Live, scope: Scope) -> tuple[Route, Mapping[str, str]]:
+    def _resolve(self, router: Router[Route], scope: Scope) -> tuple[Route, Mapping[str, str]]:
         """The route, or the error of a request that has none (rendered by
         the default surface); without a route, the default surface's
         credentials are checked first, so a keyless client learns nothing."""
         try:
-            return live.router.resolve(scope["method"], scope["path"])
+            return router.resolve(scope["method"], scope["path"])
         except ApiError:
-            if not live.is_public(scope["path"]):
+            if not _is_public(router, scope["path"]):
                 self._authenticate(self.surfaces[0], scope)
             raise
 
     def _authenticate(self, surface: Surface, scope: Scope) -> None:
-        key = self.config.api_key
+        key = self.api_key
         if not key:
             return
         presented = surface.credentials(scope.get("headers", ()))
-        if presented is None or not hmac.compare_digest(presented, key):
+        # Compared as bytes: compare_digest refuses a str with non-ASCII in it.
+        if presented is None or not hmac.compare_digest(
+            presented.encode("utf-8", "surrogatepass"), key.encode("utf-8")
+        ):
             raise AuthenticationFailed("Incorrect API key provided.", code="invalid_api_key")
 
 

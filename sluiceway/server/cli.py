@@ -1,13 +1,28 @@
-"""``sluiceway serve``: run the app under Hypercorn (asyncio or trio worker)."""
+"""``sluiceway serve``: run the app under Hypercorn (asyncio or trio worker).
+
+Shutdown: the first SIGTERM or SIGINT drains the app (it stops admitting
+and gives running requests ``--shutdown-timeout`` to finish, while Hypercorn
+keeps listening so that late requests get a 503 rather than a refused
+connection); then Hypercorn's own graceful shutdown closes the listener and
+the connections, which are idle by then. A second signal ends the grace
+period at once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+if TYPE_CHECKING:
+    from sluiceway.server.app import SluicewayApp
 
 from sluiceway import __version__
 from sluiceway.engines.select import DEVICES
@@ -15,6 +30,9 @@ from sluiceway.server.config import CHOICES, LOG_FORMAT, ServerConfig
 
 #: Model loading (and building the default model) happens during start-up.
 STARTUP_TIMEOUT_SECONDS = 900
+#: Hypercorn's grace period, after the app's drain: the last frames of the
+#: streams cut off at the end of the drain, and idle keep-alive connections.
+GRACEFUL_TIMEOUT_SECONDS = 5.0
 
 
 def _flag(name: str) -> str:
@@ -41,8 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
         "host": "address to bind",
         "port": "port to bind",
         "worker_class": "Hypercorn worker class",
-        "api_key": "require 'Authorization: Bearer KEY' on every route but /health and the "
-        "playground page",
+        "api_key": "require 'Authorization: Bearer KEY' on every route but the public ones "
+        "(/health, /ready, /metrics, /version, /openapi.json, the playground page); "
+        "default: $SLUICEWAY_API_KEY (a flag's value shows in ps)",
+        "api_key_file": "read the API key from the first line of this file",
         "max_body_bytes": "largest request body accepted (413 beyond)",
         "max_num_seqs": "most sequences decoded together in one batch",
         "max_queued_requests": "most requests waiting for a slot (429 beyond)",
@@ -52,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
         "prefix_cache_bytes": "most bytes the prefix cache holds, least recently used "
         "evicted first (default: min(free memory after loading / 4, 2^20 tokens of KV))",
         "keepalive_seconds": "SSE ': keepalive' comment interval while a streamed request waits",
+        "shutdown_timeout": "seconds running requests get to finish after SIGTERM/SIGINT; "
+        "then their streams end with an error event",
+        "stall_timeout": "a request whose client reads nothing for this many seconds is "
+        "cancelled and its slot freed (0: never)",
+        "request_timeout": "a request still running after this many seconds ends with an "
+        "error (0: no limit)",
+        "allowed_origins": "origins allowed to call the API from a browser (CORS): '*' or a "
+        "comma-separated list (default: none)",
         "max_top_logprobs": "largest top_logprobs / logprobs / prompt_logprobs accepted",
         "logprobs_mode": "raw: the model's distribution; processed: the one sampled from",
         "return_tokens_as_token_ids": "logprob tokens as 'token_id:N' for every request",
@@ -90,44 +118,95 @@ def hypercorn_config(config: ServerConfig) -> Any:
     hyper.bind = [f"{config.host}:{config.port}"]
     hyper.worker_class = config.worker_class
     hyper.startup_timeout = STARTUP_TIMEOUT_SECONDS
-    hyper.accesslog = "-"
+    hyper.graceful_timeout = GRACEFUL_TIMEOUT_SECONDS
+    # The app logs one line per request itself (with its tokens and timing).
+    hyper.accesslog = None
     hyper.errorlog = "-"
     hyper.loglevel = config.log_level.upper()
     return hyper
 
 
-def serve(config: ServerConfig) -> None:
-    from sluiceway.server.app import create_app
+async def _next_signal() -> None:
+    """Return at the next SIGTERM or SIGINT."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            logging.getLogger(__name__).info("%s received", signal.Signals(signum).name)
+            return
 
-    app: Any = create_app(config)
+
+async def _either(first: Any, second: Any) -> None:
+    """Run both; return as soon as either returns."""
+    async with anyio.create_task_group() as group:
+
+        async def run(call: Any) -> None:
+            await call()
+            group.cancel_scope.cancel()
+
+        group.start_soon(run, first)
+        group.start_soon(run, second)
+
+
+async def _until_stopped(app: SluicewayApp) -> None:
+    """Hypercorn's shutdown trigger: wait for a signal (or a model that
+    failed to load), then drain the app; a second signal cuts the drain short."""
+    fatal = app.lifecycle.fatal
+    await _either(_next_signal, fatal.wait if fatal is not None else anyio.sleep_forever)
+    interrupted = False
+
+    async def interrupt() -> None:
+        nonlocal interrupted
+        await _next_signal()
+        interrupted = True
+
+    await _either(app.drain, interrupt)
+    if interrupted:
+        await app.lifecycle.cut_short()
+
+
+def serve(config: ServerConfig) -> int:
+    """Serve until stopped; the exit code (1: the model failed to load)."""
+    import functools
+
+    from sluiceway.server.app import create_app
+    from sluiceway.server.lifecycle import Phase
+
+    app = create_app(config)
     hyper = hypercorn_config(config)
+    served: Any = app
+    trigger = functools.partial(_until_stopped, app)
     if config.worker_class == "trio":
         import trio
         from hypercorn.trio import serve as trio_serve
 
-        trio.run(trio_serve, app, hyper)
+        trio.run(functools.partial(trio_serve, served, hyper, shutdown_trigger=trigger))
     else:
         import asyncio
 
         from hypercorn.asyncio import serve as asyncio_serve
 
-        asyncio.run(asyncio_serve(app, hyper))
+        asyncio.run(asyncio_serve(served, hyper, shutdown_trigger=trigger))
+    return 1 if app.lifecycle.phase is Phase.FAILED else 0
 
 
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """The configuration that ``serve``'s parsed flags describe."""
-    return ServerConfig(
-        **{spec.name: getattr(args, spec.name) for spec in dataclasses.fields(ServerConfig)}
-    )
+def config_from_args(
+    args: argparse.Namespace, environ: dict[str, str] | None = None
+) -> ServerConfig:
+    """The configuration that ``serve``'s parsed flags describe; the API key
+    may come from ``SLUICEWAY_API_KEY`` instead of the flag."""
+    values = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(ServerConfig)}
+    env = os.environ if environ is None else environ
+    if values["api_key"] is None and env.get("SLUICEWAY_API_KEY"):
+        values["api_key"] = env["SLUICEWAY_API_KEY"]
+    return ServerConfig(**values)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
-    except ValueError as error:
+        config.key()  # an unreadable key file stops us here
+    except (ValueError, OSError) as error:
         print(f"sluiceway: {error}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
-    serve(config)
-    return 0
+    return serve(config)

@@ -48,7 +48,11 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     worker_class: WorkerClass = "asyncio"
+    #: The API key every route but the public ones requires (also
+    #: ``SLUICEWAY_API_KEY``, or ``api_key_file``: a flag's value shows in ``ps``).
     api_key: str | None = None
+    #: A file whose first line is the API key.
+    api_key_file: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     max_num_seqs: int = 32
     max_queued_requests: int = 256
@@ -59,6 +63,15 @@ class ServerConfig:
     #: (``sluiceway.actors.prefix_cache.default_budget``).
     prefix_cache_bytes: int | None = None
     keepalive_seconds: float = 5.0
+    #: Seconds running requests get to finish after SIGTERM/SIGINT.
+    shutdown_timeout: float = 30.0
+    #: A request whose client reads nothing for this long ends (0: never).
+    stall_timeout: float = 60.0
+    #: A request still running after this many seconds ends (0: no limit).
+    request_timeout: float = 0.0
+    #: Origins allowed to call the API from a browser (CORS): ``*`` or a
+    #: comma-separated list; none by default.
+    allowed_origins: str | None = None
     max_top_logprobs: int = 20
     logprobs_mode: Literal["raw", "processed"] = "raw"
     return_tokens_as_token_ids: bool = False
@@ -85,6 +98,9 @@ class ServerConfig:
         self.template_defaults()  # refuses what is not a JSON object
         if self.keepalive_seconds <= 0:
             raise ValueError("keepalive_seconds must be positive")
+        for name in ("shutdown_timeout", "stall_timeout", "request_timeout"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
         if self.grammar_compile_timeout <= 0:
             raise ValueError("grammar_compile_timeout must be positive")
         for name in (
@@ -124,6 +140,24 @@ class ServerConfig:
         if not isinstance(value, dict):
             raise ValueError("default_chat_template_kwargs must be a JSON object")
         return value
+
+    def key(self) -> str | None:
+        """The API key: ``api_key``, else the first line of ``api_key_file``."""
+        if self.api_key:
+            return self.api_key
+        if self.api_key_file:
+            with open(self.api_key_file, encoding="utf-8") as file:
+                key = file.readline().strip()
+            if not key:
+                raise ValueError(f"the API key file {self.api_key_file} is empty")
+            return key
+        return None
+
+    def origins(self) -> frozenset[str]:
+        """``allowed_origins`` as a set (``*`` allows every origin)."""
+        if not self.allowed_origins:
+            return frozenset()
+        return frozenset(o.strip() for o in self.allowed_origins.split(",") if o.strip())
 
     @property
     def model_name(self) -> str:

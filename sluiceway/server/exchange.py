@@ -9,13 +9,22 @@ output tasks, and a watcher that awaits ``http.disconnect`` (under Hypercorn's t
 disconnect only reaches an app with a task awaiting ``receive()``). Whichever
 ends first -- the reply or the client -- cancels the rest, and the scheduler is
 told to drop the requests, which frees their slots within one step.
+
+A request's mailbox has a high-water mark (:data:`MAILBOX_LIMIT` steps):
+when the client reads slower than the model writes, the reply's writes wait
+on the connection, the mailbox fills, and the scheduler pauses the request
+until it drains (see ``sluiceway.actors.channels``). The exchange registers
+with the :class:`~sluiceway.server.supervision.Supervisor`, which can end it
+from outside (shutdown, deadline) and abandon a write that stalls.
 """
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager, closing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import anyio
@@ -27,6 +36,8 @@ from sluiceway.actors import output
 from sluiceway.actors.channels import Mailbox, MailboxReader, open_mailbox, take
 from sluiceway.actors.output import ChoiceFinisher
 from sluiceway.protocol.messages import (
+    Backlog,
+    Completed,
     Deltas,
     EmitterEvent,
     GenerationRequest,
@@ -41,13 +52,36 @@ from sluiceway.server.http import (
     read_body,
     send_bytes,
 )
+from sluiceway.server.record import RequestRecord
+from sluiceway.server.supervision import OpenExchange, Supervisor
 from sluiceway.surfaces.base import JSON_HEADERS, Headers, Job, StreamEncoder
+
+#: Steps a request's output may run ahead of its client before the request
+#: pauses (a step is a token per choice; the SSE frames of these are a few
+#: tens of kilobytes at most).
+MAILBOX_LIMIT = 64
 
 
 class Submitter(ChoiceFinisher, Protocol):
-    def submit(self, request: GenerationRequest, output: Outbox[RequestOutput]) -> None: ...
+    def submit(
+        self,
+        request: GenerationRequest,
+        output: Outbox[RequestOutput],
+        *,
+        backlog: Backlog | None = None,
+    ) -> None: ...
 
     def cancel(self, request_id: str) -> None: ...
+
+    def resume(self, request_id: str) -> None: ...
+
+
+@dataclass(slots=True)
+class Tracking:
+    """What an exchange reports to: the supervisor and the request's record."""
+
+    supervisor: Supervisor = field(default_factory=Supervisor)
+    record: RequestRecord = field(default_factory=lambda: RequestRecord("-", "-", "-"))
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: CancelScope) -> None:
@@ -58,25 +92,32 @@ async def _cancel_on_disconnect(receive: Receive, scope: CancelScope) -> None:
             return
 
 
-def _submit_all(scheduler: Submitter, jobs: Sequence[Job]) -> list[MailboxReader[RequestOutput]]:
-    """Submit every job, or none: a refusal (queue full) cancels the others."""
+def _submit_all(
+    scheduler: Submitter, jobs: Sequence[Job]
+) -> tuple[list[Outbox[RequestOutput]], list[MailboxReader[RequestOutput]]]:
+    """Submit every job, or none: a refusal (queue full) cancels the others.
+    Returns the mailboxes' two ends."""
+    outboxes: list[Outbox[RequestOutput]] = []
     streams: list[MailboxReader[RequestOutput]] = []
     try:
         for job in jobs:
-            # Unbounded, so the scheduler never blocks on a slow client; it
-            # sends one message per step at most, so a request's mailbox
-            # never holds more than its max_tokens plus two.
-            mailbox: Mailbox[RequestOutput] = open_mailbox()
+            # The scheduler never waits on a mailbox: past the limit it
+            # pauses the request instead, until the reader catches up.
+            request_id = job.request.request_id
+            mailbox: Mailbox[RequestOutput] = open_mailbox(
+                MAILBOX_LIMIT, functools.partial(scheduler.resume, request_id)
+            )
             send, receive = mailbox
             streams.append(receive)
-            scheduler.submit(job.request, send)
+            outboxes.append(send)
+            scheduler.submit(job.request, send, backlog=send)
     except BaseException:
         for job in jobs:
             scheduler.cancel(job.request.request_id)
         for receive in streams:
             receive.close()
         raise
-    return streams
+    return outboxes, streams
 
 
 class _Events(Protocol):
@@ -168,21 +209,32 @@ def _cancel_jobs(
 
 @asynccontextmanager
 async def _exchange(
-    receive: Receive, scheduler: Submitter, jobs: Sequence[Job]
-) -> AsyncIterator[_Events]:
+    receive: Receive, scheduler: Submitter, jobs: Sequence[Job], tracking: Tracking
+) -> AsyncIterator[tuple[_Events, OpenExchange]]:
     """Submit the jobs and yield their events, in a task group that a client
-    disconnect cancels (the body under this context is then cut short, and
-    the context exits quietly). Whatever ends, the requests are dropped."""
-    streams = _submit_all(scheduler, jobs)
+    disconnect (or a stalled write) cancels: the body under this context is
+    then cut short, and the context exits quietly. Whatever ends, the
+    requests are dropped."""
+    outboxes, streams = _submit_all(scheduler, jobs)
+    tracking.record.generated = True
     try:
         async with anyio.create_task_group() as group:
             events = _start_events(group, scheduler, jobs, streams)
             group.start_soon(_cancel_on_disconnect, receive, group.cancel_scope)
-            with closing(events):
-                yield events
+            with closing(events), tracking.supervisor.track(outboxes, group.cancel_scope) as live:
+                yield events, live
             group.cancel_scope.cancel()
     finally:
         _cancel_jobs(scheduler, jobs, streams)
+
+
+def _note(record: RequestRecord, events: list[EmitterEvent]) -> None:
+    """Time the deltas and count the tokens of events going out."""
+    for event in events:
+        if type(event) is Deltas:
+            record.delta()
+        elif type(event) is Completed:
+            record.usage(event.usage)
 
 
 async def stream_reply(
@@ -192,25 +244,42 @@ async def stream_reply(
     jobs: Sequence[Job],
     encoder: StreamEncoder,
     keepalive_seconds: float,
+    tracking: Tracking | None = None,
 ) -> None:
     """Submit the jobs and stream their SSE frames until done or disconnected.
 
     The encoder runs in this task: output events are framed and written as
     they arrive, and events already waiting go out in one write.
     """
-    async with _exchange(receive, scheduler, jobs) as events:
+    tracking = tracking or Tracking()
+    async with _exchange(receive, scheduler, jobs, tracking) as (events, live):
+        writer = _Writer(send, live)
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        await _body(send, encoder.start())
-        await _relay(events, send, encoder, keepalive_seconds)
+        await writer.body(encoder.start())
+        await _relay(events, writer, encoder, keepalive_seconds, tracking.record)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _body(send: Send, frame: bytes) -> None:
-    await send({"type": "http.response.body", "body": frame, "more_body": True})
+@dataclass(slots=True)
+class _Writer:
+    """Writes body frames, telling the supervisor while a write is under way
+    (a client that stops reading leaves one under way)."""
+
+    send: Send
+    live: OpenExchange
+
+    async def body(self, frame: bytes) -> None:
+        self.live.writing_since = time.monotonic()
+        await self.send({"type": "http.response.body", "body": frame, "more_body": True})
+        self.live.writing_since = None
 
 
 async def _relay(
-    events: _Events, send: Send, encoder: StreamEncoder, keepalive_seconds: float
+    events: _Events,
+    writer: _Writer,
+    encoder: StreamEncoder,
+    keepalive_seconds: float,
+    record: RequestRecord,
 ) -> None:
     """Frame events until the outputs are done.
 
@@ -228,16 +297,18 @@ async def _relay(
                 with anyio.move_on_after(keepalive_seconds) as waited:
                     ready = await events.next()
                 if waited.cancelled_caught:
-                    await _body(send, encoder.keepalive())
+                    await writer.body(encoder.keepalive())
                     continue
                 flowing = any(isinstance(event, Deltas) for event in ready)
         except anyio.EndOfStream:
             return
+        _note(record, ready)
         frame = b"".join(encoder.encode(event) for event in ready)
         while more := events.waiting():  # what is already waiting goes in the same write
+            _note(record, more)
             frame += b"".join(encoder.encode(event) for event in more)
         if frame:
-            await _body(send, frame)
+            await writer.body(frame)
 
 
 async def collect_reply(
@@ -245,18 +316,21 @@ async def collect_reply(
     scheduler: Submitter,
     jobs: Sequence[Job],
     collect: Callable[[EmitterEvent], None],
+    tracking: Tracking | None = None,
 ) -> bool:
     """Submit the jobs and hand every event to ``collect``.
 
     Returns False when the client disconnected first.
     """
+    tracking = tracking or Tracking()
     finished = False
-    async with _exchange(receive, scheduler, jobs) as events:
+    async with _exchange(receive, scheduler, jobs, tracking) as (events, _):
         while True:
             try:
                 ready = await events.next()
             except anyio.EndOfStream:
                 break
+            _note(tracking.record, ready)
             for event in ready:
                 collect(event)
         finished = True
@@ -274,6 +348,7 @@ class HttpCall:
     params: Mapping[str, str]
     max_body_bytes: int
     keepalive_seconds: float
+    tracking: Tracking = field(default_factory=Tracking)
 
     @property
     def method(self) -> str:
@@ -296,8 +371,14 @@ class HttpCall:
 
     async def stream(self, jobs: Sequence[Job], encoder: StreamEncoder) -> None:
         await stream_reply(
-            self.receive, self.send, self.scheduler, jobs, encoder, self.keepalive_seconds
+            self.receive,
+            self.send,
+            self.scheduler,
+            jobs,
+            encoder,
+            self.keepalive_seconds,
+            self.tracking,
         )
 
     async def collect(self, jobs: Sequence[Job], collect: Callable[[EmitterEvent], None]) -> bool:
-        return await collect_reply(self.receive, self.scheduler, jobs, collect)
+        return await collect_reply(self.receive, self.scheduler, jobs, collect, self.tracking)

@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from sluiceway.protocol.errors import ApiError, MethodNotAllowed, Overloaded, PayloadTooLarge
+from sluiceway.protocol.errors import (
+    ApiError,
+    MethodNotAllowed,
+    Overloaded,
+    PayloadTooLarge,
+    ServiceUnavailable,
+)
 from sluiceway.surfaces.base import JSON_HEADERS, ErrorResponse, Headers
 
 Scope = MutableMapping[str, Any]
@@ -62,7 +68,7 @@ def error_headers(error: ApiError) -> Headers:
     """The HTTP headers an error calls for, whatever the surface."""
     if isinstance(error, MethodNotAllowed):
         return [(b"allow", ", ".join(error.allowed).encode())]
-    if isinstance(error, Overloaded):
+    if isinstance(error, Overloaded | ServiceUnavailable):
         return [(b"retry-after", str(error.retry_after_seconds).encode())]
     return []
 

@@ -20,15 +20,22 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
+
+from pydantic import BaseModel
 
 from sluiceway.actors.constraints import ConstraintCompiler
 from sluiceway.actors.output import OutputConfig
 from sluiceway.engines.base import EngineInfo
 from sluiceway.engines.tokenizer import ModelTokenizer
 from sluiceway.parsers.registry import ParserChoice
-from sluiceway.protocol.errors import ApiError
-from sluiceway.protocol.messages import EmitterEvent, GenerationRequest
+from sluiceway.protocol.errors import (
+    ApiError,
+    DeadlineExceeded,
+    InternalError,
+    ServiceUnavailable,
+)
+from sluiceway.protocol.messages import EmitterEvent, Failed, FailureCause, GenerationRequest
 
 #: HTTP headers as ASGI carries them: lower-case names, raw values.
 Headers = Sequence[tuple[bytes, bytes]]
@@ -204,13 +211,60 @@ class Surface(Protocol):
         ...
 
 
+def failure_error(failure: Failed) -> ApiError:
+    """The error a whole reply ends in when its generation failed: 503 when
+    the server shut down under it (retry elsewhere), 504 past the request's
+    time limit, else the server's 500."""
+    if failure.cause is FailureCause.SHUTDOWN:
+        return ServiceUnavailable(failure.message)
+    if failure.cause is FailureCause.DEADLINE:
+        return DeadlineExceeded(failure.message)
+    return InternalError(failure.message)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Operation:
+    """What ``/openapi.json`` says of one route of a surface: its wire models
+    (pydantic), from which the document's schemas are generated."""
+
+    summary: str
+    #: The JSON body the route takes, if any.
+    request: type[BaseModel] | None = None
+    #: The JSON body of its reply.
+    response: type[BaseModel] | None = None
+    #: The payload of each server-sent event, when the route streams.
+    event: type[BaseModel] | None = None
+    #: The body of its error replies.
+    error: type[BaseModel] | None = None
+
+
+@runtime_checkable
+class Documented(Protocol):
+    """A surface that describes its routes for ``/openapi.json`` (optional:
+    an undocumented surface's routes are listed without schemas)."""
+
+    def operations(self) -> Mapping[str, Mapping[str, Operation]]:
+        """Path -> method -> operation, for the paths of ``routes()``."""
+        ...
+
+
 async def send_whole(call: Call, jobs: Sequence[Job], accumulator: Accumulator) -> None:
     """Run the jobs to the end and send the accumulated reply as one body
-    (nothing, if the client went away; a failure is the server's 500)."""
-    if not await call.collect(jobs, accumulator.add):
+    (nothing, if the client went away; a failure is rendered by the route's
+    surface, with the status :func:`failure_error` gives it)."""
+    failures: list[Failed] = []
+
+    def add(event: EmitterEvent) -> None:
+        if type(event) is Failed:
+            failures.append(event)
+        accumulator.add(event)
+
+    if not await call.collect(jobs, add):
         return  # the client is gone; nobody to answer
+    if failures:
+        raise failure_error(failures[0])
     if accumulator.failure is not None:
-        raise RuntimeError(accumulator.failure)
+        raise InternalError(accumulator.failure)
     await call.send_json(accumulator.to_json())
 
 

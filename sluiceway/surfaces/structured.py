@@ -175,7 +175,7 @@ async def constrained_prompt(
 ) -> ConstrainedPrompt:
     """Render the conversation (in a worker thread) and compile the
     constraint of its reply: the format, the tool calls, or both."""
-    by_grammar = _calls_by_grammar(serving, conversation, output, params)
+    by_grammar = calls_by_grammar(serving, conversation, output, params)
     prompt = await anyio.to_thread.run_sync(
         functools.partial(
             render_conversation, serving, conversation, stops, params, tools_by_grammar=by_grammar
@@ -198,7 +198,7 @@ def _mode(conversation: Conversation) -> ToolChoiceMode:
     return ToolChoiceMode.AUTO if choice is None else choice.mode
 
 
-def _calls_by_grammar(
+def calls_by_grammar(
     serving: Serving,
     conversation: Conversation,
     output: OutputFormat | None,
@@ -236,7 +236,7 @@ async def _call_format(
         where = params.tool_parameters.format(index=index)
         tools.append(await _callable(serving, tool, where))
     grammars = serving.constraints.grammars
-    assert grammars is not None  # see _calls_by_grammar
+    assert grammars is not None  # see calls_by_grammar
     content = None
     if output is not None and mode is ToolChoiceMode.AUTO:
         try:

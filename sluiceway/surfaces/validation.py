@@ -26,6 +26,11 @@ _TOKEN_KEY = re.compile(r"-?[0-9]+")
 # Names pydantic puts in an error location for the member of a union it tried.
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "literal"}
 
+#: JSON nested deeper than this is refused: nothing a surface accepts nests
+#: so far, and everything after parsing (validation, templates, grammars)
+#: recurses over it.
+MAX_JSON_DEPTH = 64
+
 #: OpenAI's limit on stop sequences is 4; we accept up to this many.
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROB_TOKEN_IDS = 128
@@ -42,10 +47,34 @@ def _param(location: Iterable[Any]) -> str | None:
 
 
 def parse_json(body: bytes) -> Any:
+    """The body as JSON; a 400 for anything that is not (invalid UTF-8, a
+    number too long to convert, nesting past :data:`MAX_JSON_DEPTH`)."""
     try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        value = json.loads(body)
+    except RecursionError as error:
+        raise InvalidRequest(_TOO_DEEP) from error
+    except (UnicodeDecodeError, ValueError) as error:  # JSONDecodeError is a ValueError
         raise InvalidRequest(f"the request body is not valid JSON: {error}") from error
+    if _deeper_than(value, MAX_JSON_DEPTH):
+        raise InvalidRequest(_TOO_DEEP)
+    return value
+
+
+_TOO_DEEP = f"the request body is nested more than {MAX_JSON_DEPTH} levels deep"
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests more than ``limit`` containers deep (without recursing)."""
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def parse_request(model: type[M], payload: Any) -> M:

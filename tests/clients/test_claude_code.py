@@ -36,13 +36,13 @@ import pytest
 from tests.e2e.harness import RunningServer, serving
 from tests.fixtures.scripted_model import REASONING, Script, ScriptedModel, build_scripted_model
 
-pytestmark = [pytest.mark.clients, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.client, pytest.mark.timeout(1500)]
 
 CLIENT_DIR = Path(__file__).parent / "claude-code"
 CONTEXT = 131072
 API_KEY = "sk-sluiceway-test"
 #: An access-log line: method, path and status.
-ACCESS = re.compile(r'"([A-Z]+) (\S+) [^"]*" (\d{3}) ')
+ACCESS = re.compile(r'"([A-Z]+) ([^\s"]+)(?: [^"]*)?" (\d{3}) ')
 
 
 def pinned_version() -> str:

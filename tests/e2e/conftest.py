@@ -51,6 +51,8 @@ def scripted_server(
         name="scripted",
         extra_args=["--engine", engine],
     )
+    # A looping script whose every token carries text times the pace.
+    running.pace_fields = {"chat_template_kwargs": scripted.chat_kwargs("bytes_stop")}
     yield running
     running.stop()
 

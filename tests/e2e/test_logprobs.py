@@ -268,6 +268,7 @@ def test_logprob_token_ids_score_every_position(server: RunningServer, reference
         "messages": [{"role": "user", "content": "x"}],
         "max_tokens": 3,
         "logprob_token_ids": wanted,
+        "ignore_eos": True,  # sampled: an early EOS would shorten the reply
     }
     entries = post(server, "/chat/completions", chat_body)["choices"][0]["logprobs"]["content"]
     assert len(entries) == 3

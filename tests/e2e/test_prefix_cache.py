@@ -147,6 +147,22 @@ def test_the_streamed_usage_and_legacy_completions_report_cached_tokens(
     assert replies[0]["choices"][0]["text"] == replies[1]["choices"][1]["text"]
 
 
+def test_the_responses_api_reports_cached_tokens(server: RunningServer) -> None:
+    system = system_prompt()
+    body = {"model": server.model, "instructions": system, "max_output_tokens": 4}
+    replies = []
+    for turn in ("hello", "hi"):
+        response = httpx.post(
+            server.api_url + "/responses", json={**body, "input": turn}, timeout=120
+        )
+        assert response.status_code == 200, response.text
+        replies.append(response.json()["usage"])
+    assert replies[0]["input_tokens_details"]["cached_tokens"] < 10
+    # The second reuses the instructions the first prefilled.
+    assert replies[1]["input_tokens_details"]["cached_tokens"] > 100
+    assert replies[1]["input_tokens_details"]["cached_tokens"] < replies[1]["input_tokens"]
+
+
 def test_no_prefix_cache_reports_nothing_cached(server: RunningServer, variant: Variant) -> None:
     plain = variant(server.engine, "--no-prefix-cache")
     system = system_prompt()

@@ -275,4 +275,5 @@ def test_engine_in_a_child_process_replies_the_same(
         "running_requests": 0,
         "running_sequences": 0,
         "queued_requests": 0,
+        "paused_requests": 0,
     }

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
 from tests.e2e import schemas as wire_schemas
+from tests.e2e import test_tokens as tokens
 from tests.e2e.harness import RunningServer, serving
 from tests.fixtures.json_schemas import assert_valid, schemas
 from tests.fixtures.scripted_model import ScriptedModel
@@ -200,6 +201,45 @@ def test_structured_outputs_on_chat(server: RunningServer) -> None:
     assert reply["choices"][0]["message"]["content"] in ("yes", "no")
 
 
+@pytest.mark.parametrize(("field", "pattern"), COMPLETION_FORMATS)
+def test_structured_outputs_on_generate(
+    server: RunningServer, field: dict[str, Any], pattern: str | None
+) -> None:
+    """On the tokens endpoint the field sits in ``sampling_params`` (vLLM's
+    place) and holds the ids as completions holds its text: with the same
+    prompt, format and seed, both sample the same ids."""
+    prompt = tokens.post(server, "/tokenize", {"prompt": "Weather:"})["tokens"]
+    params = {"max_tokens": 60, "n": 2, "temperature": 1.0, "seed": 5}
+    completion = {
+        "model": server.model,
+        "prompt": prompt,
+        "return_token_ids": True,
+        "structured_outputs": field,
+        **params,
+    }
+    texts = {
+        c["index"]: (c["text"], c["token_ids"])
+        for c in tokens.post(server, "/v1/completions", completion)["choices"]
+    }
+    body = {
+        "model": server.model,
+        "token_ids": prompt,
+        "sampling_params": {**params, "structured_outputs": field},
+    }
+    whole = tokens.post(server, tokens.GENERATE, body)
+    chunks = tokens.events(server, tokens.GENERATE, body)
+    assert len(whole["choices"]) == 2
+    for choice in whole["choices"]:
+        text, ids = texts[choice["index"]]
+        assert choice["finish_reason"] == "stop", choice
+        assert choice["token_ids"] == ids
+        assert tokens.streamed_ids(chunks, choice["index"]) == ids
+        if pattern is None:
+            assert_valid(json.loads(text), WEATHER)
+        else:
+            assert re.fullmatch(pattern, text), text
+
+
 # --- tools through the grammar ---------------------------------------------------------
 
 
@@ -231,6 +271,16 @@ def test_forced_calls_of_strict_tools_have_valid_arguments(
 
 # --- errors ------------------------------------------------------------------------------
 
+#: ``structured_outputs`` values that are a 400, where in the field the error
+#: points, a piece of its message, and a test id; each surface puts the field
+#: in its own place.
+BAD_STRUCTURED_OUTPUTS = [
+    ({"regex": "(("}, ".regex", "unclosed group", "regex"),
+    ({"grammar": "start: nowhere"}, ".grammar", "nowhere", "grammar"),
+    ({"json": "{not json"}, ".json", "not JSON", "json-text"),
+    ({"regex": "a", "choice": ["a"]}, "", "exactly one", "two-kinds"),
+]
+
 BAD_REQUESTS = [
     pytest.param(
         {"response_format": response_format({"type": "object", "properties": 3})},
@@ -250,29 +300,9 @@ BAD_REQUESTS = [
         "",
         id="no-name",
     ),
-    pytest.param(
-        {"structured_outputs": {"regex": "(("}},
-        "structured_outputs.regex",
-        "unclosed group",
-        id="regex",
-    ),
-    pytest.param(
-        {"structured_outputs": {"grammar": "start: nowhere"}},
-        "structured_outputs.grammar",
-        "nowhere",
-        id="grammar",
-    ),
-    pytest.param(
-        {"structured_outputs": {"json": "{not json"}},
-        "structured_outputs.json",
-        "not JSON",
-        id="json-text",
-    ),
-    pytest.param(
-        {"structured_outputs": {"regex": "a", "choice": ["a"]}},
-        "structured_outputs",
-        "exactly one",
-        id="two-kinds",
+    *(
+        pytest.param({"structured_outputs": field}, f"structured_outputs{where}", message, id=name)
+        for field, where, message, name in BAD_STRUCTURED_OUTPUTS
     ),
     pytest.param(
         {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
@@ -305,6 +335,26 @@ def test_bad_formats_name_their_field(
     error = response.json()["error"]
     wire_schemas.check(response.json(), wire_schemas.ERROR)
     assert error["param"] == param
+    assert message in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "where", "message"),
+    [pytest.param(*case[:3], id=case[3]) for case in BAD_STRUCTURED_OUTPUTS],
+)
+def test_bad_structured_outputs_on_generate_name_their_field(
+    server: RunningServer, field: dict[str, Any], where: str, message: str
+) -> None:
+    body = {
+        "model": server.model,
+        "token_ids": [1, 2, 3],
+        "sampling_params": {"max_tokens": 5, "structured_outputs": field},
+    }
+    response = httpx.post(server.base_url + tokens.GENERATE, json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    wire_schemas.check(response.json(), wire_schemas.ERROR)
+    error = response.json()["error"]
+    assert error["param"] == f"sampling_params.structured_outputs{where}"
     assert message in error["message"]
 
 

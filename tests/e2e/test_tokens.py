@@ -94,7 +94,13 @@ def test_generate_returns_the_scripted_ids(
         ]
         entries += streamed["logprobs"]["content"]
     assert entries == choice["logprobs"]["content"]
-    assert chunks[-1]["usage"] == reply["usage"]
+    # The same prompt a second time reads from the prefix cache: only that differs.
+    streamed_usage = dict(chunks[-1]["usage"])
+    cached = streamed_usage.pop("prompt_tokens_details")["cached_tokens"]
+    assert 0 <= cached < len(prompt)
+    assert streamed_usage == {
+        k: v for k, v in reply["usage"].items() if k != "prompt_tokens_details"
+    }
 
 
 def test_chat_token_ids_are_the_prompt_and_the_generated_ids(
@@ -121,21 +127,26 @@ def test_chat_token_ids_are_the_prompt_and_the_generated_ids(
     )
     assert whole["prompt_token_ids"] != post(scripted_server, "/tokenize", tokenized)["tokens"]
     assert whole["choices"][0]["finish_reason"] == "tool_calls"
-    # The prompt holds the forced call's opening; the model continues the script.
+    # A grammar holds the forced call (no prefix in the prompt): the ids are
+    # every generated id, and they make the call.
     generated = whole["choices"][0]["token_ids"]
     assert len(generated) > 2
-    assert generated == scripted.token_ids("named")[-len(generated) :]
+    (call,) = whole["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
     chunks = events(scripted_server, "/v1/chat/completions", chat)
     assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
     assert all("prompt_token_ids" not in c for c in chunks[1:])
     assert streamed_ids(chunks) == whole["choices"][0]["token_ids"]
-    # The generate endpoint continues the same prompt with the same ids.
+    # The generate endpoint takes the prompt and the reply back as they are.
     again = post(
         scripted_server,
         GENERATE,
-        {"token_ids": whole["prompt_token_ids"], "sampling_params": {"temperature": 0}},
+        {
+            "token_ids": whole["prompt_token_ids"] + generated,
+            "sampling_params": {"temperature": 0, "max_tokens": 1},
+        },
     )
-    assert again["choices"][0]["token_ids"] == generated
+    assert again["usage"]["prompt_tokens"] == len(whole["prompt_token_ids"]) + len(generated)
 
 
 def test_chunks_never_carry_text_before_its_ids(

@@ -59,7 +59,8 @@ class PageSurface:
 
 
 def app_of(*speaks: Surface, api_key: str | None = KEY) -> SluicewayApp:
-    app = SluicewayApp(ServerConfig(api_key=api_key), speaks)
+    # no playground: these tests put their own page at "/" (PageSurface)
+    app = SluicewayApp(ServerConfig(api_key=api_key, playground=False), speaks)
     app.live = Live(Router(surfaces_table(speaks)), fake_serving(), None)  # type: ignore[arg-type]
     return app
 

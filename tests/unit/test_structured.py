@@ -5,6 +5,7 @@ with and without a grammar engine."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,7 +20,7 @@ from sluiceway.parsers.registry import ParserChoice, TextPathOptions, forced_too
 from sluiceway.protocol.constraints import Constraint, ConstraintKind, ReasoningGate
 from sluiceway.protocol.errors import InvalidConstraint, InvalidRequest
 from sluiceway.surfaces import structured
-from sluiceway.surfaces.base import Serving
+from sluiceway.surfaces.base import Job, Serving
 from sluiceway.surfaces.conversation import (
     Conversation,
     Message,
@@ -30,6 +31,7 @@ from sluiceway.surfaces.conversation import (
     ToolSpec,
 )
 from sluiceway.surfaces.structured import OutputFormat, StructuredOutputs
+from sluiceway.surfaces.tokens import generate
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
 
@@ -225,3 +227,66 @@ async def test_a_non_strict_schema_that_does_not_compile_leaves_any_arguments(
             with_grammar, conversation(strict, choice=REQUIRED), StopOptions(), None
         )
     assert caught.value.param == "tools[0].function.parameters"
+
+
+# --- the tokens endpoint: the field inside sampling_params ------------------------------------
+
+
+class RecordingCall:
+    """A streaming ``/inference/v1/generate`` exchange that keeps the jobs
+    the handler submits instead of running them."""
+
+    def __init__(self, payload: dict[str, Any]) -> None:
+        self.payload = payload
+        self.jobs: list[Job] = []
+
+    async def body(self) -> bytes:
+        return json.dumps({**self.payload, "stream": True}).encode()
+
+    async def stream(self, jobs: Sequence[Job], encoder: object) -> None:
+        self.jobs.extend(jobs)
+
+
+async def generate_constraint(serving: Serving, sampling: dict[str, Any]) -> Constraint | None:
+    call = RecordingCall({"token_ids": [1, 2, 3], "sampling_params": sampling})
+    await generate.handle(serving, call)  # type: ignore[arg-type]
+    (job,) = call.jobs
+    return job.request.constraint
+
+
+@pytest.mark.anyio
+async def test_generate_holds_its_ids_to_structured_outputs(with_grammar: Serving) -> None:
+    assert await generate_constraint(with_grammar, {"max_tokens": 4}) is None
+    constraint = await generate_constraint(
+        with_grammar, {"structured_outputs": {"choice": ["a", "b"]}}
+    )
+    # No reasoning section to wait out: the ids are the format from the first.
+    assert constraint == Constraint.choice(["a", "b"])
+    assert constraint.reasoning is None
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("field", "param"),
+    [
+        ({"regex": "(("}, "sampling_params.structured_outputs.regex"),
+        ({"grammar": "start: nowhere"}, "sampling_params.structured_outputs.grammar"),
+        ({"json": {"type": "array", "uniqueItems": True}}, "sampling_params.structured_outputs.json"),
+        ({"regex": "a", "choice": ["a"]}, "sampling_params.structured_outputs"),
+    ],
+)  # fmt: skip
+async def test_generate_names_the_bad_field_inside_sampling_params(
+    with_grammar: Serving, field: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        await generate_constraint(with_grammar, {"structured_outputs": field})
+    assert caught.value.param == param
+
+
+@pytest.mark.anyio
+async def test_generate_without_a_grammar_engine_refuses_structured_outputs(
+    without_grammar: Serving,
+) -> None:
+    with pytest.raises(InvalidConstraint, match="no grammar engine") as caught:
+        await generate_constraint(without_grammar, {"structured_outputs": {"regex": "a"}})
+    assert caught.value.param == "sampling_params.structured_outputs.regex"

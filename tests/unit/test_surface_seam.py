@@ -121,9 +121,14 @@ async def test_requests_without_a_route_get_the_default_surface() -> None:
     assert (status, body["error"]["code"]) == (401, "invalid_api_key")
 
 
-async def test_before_start_up_the_default_surface_answers() -> None:
+async def test_while_loading_a_route_answers_503_in_its_surfaces_shape() -> None:
+    """The model loads after the listener is up: until then a surface's
+    route is a 503 with Retry-After, in that surface's shape."""
     app = SluicewayApp(ServerConfig(), (OpenAISurface(), EchoSurface()))
-    status, _, body = await call(app, "POST", "/v2/echo/x")
+    status, headers, body = await call(app, "POST", "/v2/echo/x")
+    assert (status, body["type"], body["error"]["type"]) == (503, "error", "server")
+    assert headers[b"retry-after"] == b"1"
+    status, _, body = await call(app, "GET", "/nowhere")
     assert (status, body["error"]["type"]) == (404, "not_found_error")
 
 

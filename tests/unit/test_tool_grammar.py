@@ -187,7 +187,12 @@ def test_every_walk_through_a_required_call_parses_to_valid_arguments(
     dialect: str, schema: dict[str, Any], data: st.DataObject
 ) -> None:
     if dialect == "qwen3_coder" and not _raw_text_free(schema):
-        schema = {**schema, "properties": {"plain": {"type": "string", "maxLength": 3}}}
+        # ``required`` must go too: it may name a property this replaces
+        schema = {
+            **schema,
+            "properties": {"plain": {"type": "string", "maxLength": 3}},
+            "required": ["plain"],
+        }
     tools = (CallableTool(name="f", parameters=schema), CallableTool(name="g", parameters=WEATHER))
     constraint = grammar(dialect, CallPlan(tools=tools, required=True, parallel=False))
     content, calls = parse(dialect, walk(constraint, data), tools)

@@ -18,11 +18,35 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from pydantic import RootModel
+
 from sluiceway.protocol.errors import ApiError
-from sluiceway.surfaces.base import ErrorResponse, Headers, SurfaceHandler, bearer_token
+from sluiceway.surfaces.base import (
+    ErrorResponse,
+    Headers,
+    Operation,
+    SurfaceHandler,
+    bearer_token,
+)
 from sluiceway.surfaces.openai import chat, completions, models, tokenize
+from sluiceway.surfaces.openai.chat_wire import ChatChunk, ChatCompletion, ChatRequest
+from sluiceway.surfaces.openai.completions_wire import Completion, CompletionRequest
 from sluiceway.surfaces.openai.errors import render_error
 from sluiceway.surfaces.openai.fields import OpenAIOptions
+from sluiceway.surfaces.openai.tokenize_wire import (
+    DetokenizeReply,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizePromptRequest,
+    TokenizeReply,
+    TokenizerInfo,
+)
+from sluiceway.surfaces.openai.wire import ErrorBody, ModelCard, ModelList
+
+
+class TokenizeRequest(RootModel[TokenizePromptRequest | TokenizeChatRequest]):
+    """``/tokenize``'s body, either form (for ``/openapi.json``)."""
+
 
 __all__ = ["OpenAIOptions", "OpenAISurface"]
 
@@ -43,6 +67,57 @@ class OpenAISurface:
             "/tokenize": {"POST": tokenize.tokenize},
             "/detokenize": {"POST": tokenize.detokenize},
             "/tokenizer_info": {"GET": tokenize.tokenizer_info},
+        }
+
+    def operations(self) -> Mapping[str, Mapping[str, Operation]]:
+        return {
+            "/v1/models": {
+                "GET": Operation(summary="List models", response=ModelList, error=ErrorBody)
+            },
+            "/v1/models/{model}": {
+                "GET": Operation(summary="Retrieve a model", response=ModelCard, error=ErrorBody)
+            },
+            "/v1/chat/completions": {
+                "POST": Operation(
+                    summary="Create a chat completion",
+                    request=ChatRequest,
+                    response=ChatCompletion,
+                    event=ChatChunk,
+                    error=ErrorBody,
+                )
+            },
+            "/v1/completions": {
+                "POST": Operation(
+                    summary="Create a completion",
+                    request=CompletionRequest,
+                    response=Completion,
+                    event=Completion,
+                    error=ErrorBody,
+                )
+            },
+            "/tokenize": {
+                "POST": Operation(
+                    summary="Tokenize a prompt or a conversation",
+                    request=TokenizeRequest,
+                    response=TokenizeReply,
+                    error=ErrorBody,
+                )
+            },
+            "/detokenize": {
+                "POST": Operation(
+                    summary="Detokenize token ids",
+                    request=DetokenizeRequest,
+                    response=DetokenizeReply,
+                    error=ErrorBody,
+                )
+            },
+            "/tokenizer_info": {
+                "GET": Operation(
+                    summary="The tokenizer's configuration",
+                    response=TokenizerInfo,
+                    error=ErrorBody,
+                )
+            },
         }
 
     def render_error(self, error: ApiError) -> ErrorResponse:

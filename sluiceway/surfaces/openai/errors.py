@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from sluiceway.protocol.errors import ApiError, ErrorKind
-from sluiceway.surfaces.base import ErrorResponse
+from sluiceway.surfaces.base import JSON_HEADERS, ErrorResponse
 from sluiceway.surfaces.openai.wire import ErrorBody, ErrorDetail
 
 #: OpenAI's ``type`` for each kind. A full queue has been a 429
@@ -36,4 +36,10 @@ def error_body(error: ApiError) -> str:
 
 
 def render_error(error: ApiError) -> ErrorResponse:
-    return ErrorResponse(status=error.status, body=error_body(error).encode("utf-8"))
+    headers = JSON_HEADERS
+    if error.kind is ErrorKind.AUTHENTICATION:
+        # RFC 9110: a 401 names the scheme the client should use.
+        headers = (*JSON_HEADERS, (b"www-authenticate", b"Bearer"))
+    return ErrorResponse(
+        status=error.status, body=error_body(error).encode("utf-8"), headers=headers
+    )

@@ -15,7 +15,12 @@ from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.protocol.tokens import TokenTable
 from sluiceway.surfaces import validation
 from sluiceway.surfaces.base import Call, Serving
-from sluiceway.surfaces.conversation import RenderedPrompt, StopOptions, render_conversation
+from sluiceway.surfaces.conversation import (
+    ConversationParams,
+    RenderedPrompt,
+    StopOptions,
+    render_conversation,
+)
 from sluiceway.surfaces.openai.chat import conversation_of
 from sluiceway.surfaces.openai.tokenize_wire import (
     DetokenizeReply,
@@ -25,6 +30,7 @@ from sluiceway.surfaces.openai.tokenize_wire import (
     TokenizeReply,
     TokenizerInfo,
 )
+from sluiceway.surfaces.structured import calls_by_grammar
 
 
 def _check_model(serving: Serving, model: str | None) -> None:
@@ -49,7 +55,10 @@ def _chat_prompt(serving: Serving, request: TokenizeChatRequest) -> RenderedProm
         add_generation_prompt=request.add_generation_prompt,
         continue_final_message=request.continue_final_message,
     )
-    return render_conversation(serving, conversation, StopOptions())
+    # The prompt as chat would render it: where a grammar holds the tool
+    # calls, no forced call prefix is written into it.
+    by_grammar = calls_by_grammar(serving, conversation, None, ConversationParams())
+    return render_conversation(serving, conversation, StopOptions(), tools_by_grammar=by_grammar)
 
 
 def _tokenize(serving: Serving, payload: Any) -> TokenizeReply:

@@ -12,9 +12,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sluiceway.protocol.errors import ApiError
-from sluiceway.surfaces.base import ErrorResponse, Headers, SurfaceHandler, bearer_token
+from sluiceway.surfaces.base import (
+    ErrorResponse,
+    Headers,
+    Operation,
+    SurfaceHandler,
+    bearer_token,
+)
 from sluiceway.surfaces.tokens import generate
 from sluiceway.surfaces.tokens.errors import render_error
+from sluiceway.surfaces.tokens.wire import (
+    GenerateChunk,
+    GenerateError,
+    GenerateReply,
+    GenerateRequest,
+)
 
 __all__ = ["TokensSurface"]
 
@@ -27,6 +39,19 @@ class TokensSurface:
 
     def routes(self) -> Mapping[str, Mapping[str, SurfaceHandler]]:
         return {"/inference/v1/generate": {"POST": generate.handle}}
+
+    def operations(self) -> Mapping[str, Mapping[str, Operation]]:
+        return {
+            "/inference/v1/generate": {
+                "POST": Operation(
+                    summary="Generate from token ids",
+                    request=GenerateRequest,
+                    response=GenerateReply,
+                    event=GenerateChunk,
+                    error=GenerateError,
+                )
+            }
+        }
 
     def render_error(self, error: ApiError) -> ErrorResponse:
         return render_error(error)

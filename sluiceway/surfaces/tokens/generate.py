@@ -3,18 +3,21 @@
 The prompt is used as given (no template, no BOS). The choices take the
 output actor's token path (``sluiceway.actors.token_output``): each id goes
 out in the step that produced it, with its logprob entry; text exists only to
-match ``stop`` strings, when the request has some.
+match ``stop`` strings, when the request has some. ``structured_outputs``
+holds the ids to a format as on completions: the prompt has no reasoning
+section to wait out, so the format starts at the first generated id.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from sluiceway.actors.output import OutputConfig
 from sluiceway.parsers.registry import TextPathOptions, build_pipeline
 from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.protocol.messages import GenerationRequest, LogprobParams
-from sluiceway.surfaces import validation
+from sluiceway.surfaces import structured, validation
 from sluiceway.surfaces.base import Call, Job, Serving, new_id, send_whole
 from sluiceway.surfaces.tokens.encoder import (
     GenerateAccumulator,
@@ -24,6 +27,7 @@ from sluiceway.surfaces.tokens.encoder import (
 from sluiceway.surfaces.tokens.wire import GenerateRequest, SamplingParamsWire
 
 _PARAMS = "sampling_params."
+_STRUCTURED = _PARAMS + "structured_outputs"
 _LIMIT_NAMES = validation.LimitParamNames(
     prompt="token_ids",
     max_tokens=_PARAMS + "max_tokens",
@@ -143,6 +147,9 @@ async def handle(serving: Serving, call: Call) -> None:
     _check(serving, request)
     generation = _generation(serving, request)
     params = request.sampling_params
+    # After the cheap checks: a request that fails them spends no compile.
+    output = structured.structured_outputs(params.structured_outputs, param=_STRUCTURED)
+    generation = replace(generation, constraint=await structured.text_constraint(serving, output))
     reply = GenerateReplyConfig(
         reply_id=request.request_id or generation.request_id,
         created=int(time.time()),

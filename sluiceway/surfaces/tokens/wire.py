@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from sluiceway.surfaces.structured import StructuredOutputs
 from sluiceway.surfaces.wire import StrictModel, WireModel
 
 Probability = Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
@@ -42,6 +43,8 @@ class SamplingParamsWire(StrictModel):
     logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
     prompt_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
     logprob_token_ids: list[StrictInt] | None = None
+    #: vLLM's ``StructuredOutputsParams``: what every choice's ids must spell.
+    structured_outputs: StructuredOutputs | None = None
     # Accepted for compatibility: they shape text, and this path returns none.
     detokenize: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
@@ -148,3 +151,16 @@ class GenerateChunk(WireModel):
     choices: list[GenerateChunkChoiceWire]
     usage: UsageWire | None = None
     prompt_logprobs: PromptLogprobs | None = None
+
+
+class ErrorDetailWire(WireModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class GenerateError(WireModel):
+    """The body of an error reply (``errors.py`` writes it; ``/openapi.json`` reads it)."""
+
+    error: ErrorDetailWire

