@@ -36,6 +36,7 @@ from sluiceway.surfaces.turns import Message as Message
 from sluiceway.surfaces.turns import Role as Role
 from sluiceway.surfaces.turns import ToolCall as ToolCall
 from sluiceway.surfaces.turns import TurnIds as TurnIds
+from sluiceway.surfaces.turns import turn_ids as turn_ids
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

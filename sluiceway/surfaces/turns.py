@@ -5,6 +5,7 @@ splices the ids an earlier reply returned)."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -33,6 +34,16 @@ class TurnIds:
 
     prompt: tuple[int, ...] | None = None
     generation: tuple[int, ...] | None = None
+
+
+def turn_ids(prompt: Sequence[int] | None, generation: Sequence[int] | None) -> TurnIds | None:
+    """The ids a message carries on the wire (None: it carries none)."""
+    if prompt is None and generation is None:
+        return None
+    return TurnIds(
+        prompt=None if prompt is None else tuple(prompt),
+        generation=None if generation is None else tuple(generation),
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -52,7 +52,8 @@ def request(**fields: Any) -> ResponsesRequest:
 
 def translate(**fields: Any) -> tuple[Conversation, ToolTable]:
     parsed = request(**fields)
-    return conversation_of(parsed, tool_table(parsed.tools or []))
+    conversation, tools, _ = conversation_of(parsed, tool_table(parsed.tools or []))
+    return conversation, tools
 
 
 def test_a_string_input_is_one_user_turn_after_the_instructions() -> None:
@@ -267,7 +268,7 @@ def test_text_format_constraint(
     text_format: dict[str, Any] | None, kind: ConstraintKind | None
 ) -> None:
     parsed = request(text={"format": text_format} if text_format else None)
-    conversation, _ = conversation_of(parsed, tool_table([]))
+    conversation, _, _ = conversation_of(parsed, tool_table([]))
     constraint = format_constraint(parsed, conversation)
     assert (constraint.kind if constraint else None) is kind
     if kind is ConstraintKind.JSON_SCHEMA:
@@ -279,12 +280,12 @@ def test_text_format_constraint(
 def test_text_format_with_callable_tools_is_refused() -> None:
     tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
     parsed = request(text={"format": SCHEMA_FORMAT}, tools=tools)
-    conversation, _ = conversation_of(parsed, tool_table(parsed.tools or []))
+    conversation, _, _ = conversation_of(parsed, tool_table(parsed.tools or []))
     with pytest.raises(InvalidRequest) as caught:
         format_constraint(parsed, conversation)
     assert caught.value.param == "text.format"
     quiet = request(text={"format": SCHEMA_FORMAT}, tools=tools, tool_choice="none")
-    conversation, _ = conversation_of(quiet, tool_table(quiet.tools or []))
+    conversation, _, _ = conversation_of(quiet, tool_table(quiet.tools or []))
     assert format_constraint(quiet, conversation) is not None
 
 

@@ -21,6 +21,7 @@ from sluiceway.surfaces.conversation import (
     ToolChoiceMode,
     ToolSpec,
     TurnIds,
+    turn_ids,
 )
 from sluiceway.surfaces.openai import fields
 from sluiceway.surfaces.openai.chat_encoder import (
@@ -74,12 +75,7 @@ def _ids(message: ChatMessage) -> TurnIds | None:
     generation = message.generation_token_ids
     if generation is None:
         generation = message.token_ids
-    if message.prompt_token_ids is None and generation is None:
-        return None
-    return TurnIds(
-        prompt=None if message.prompt_token_ids is None else tuple(message.prompt_token_ids),
-        generation=None if generation is None else tuple(generation),
-    )
+    return turn_ids(message.prompt_token_ids, generation)
 
 
 class ConversationFields(Protocol):
