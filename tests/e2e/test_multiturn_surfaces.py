@@ -20,11 +20,10 @@ import openai
 import pytest
 from httpx_sse import connect_sse
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from tests.e2e.harness import RunningServer
-from tests.e2e.test_multiturn import WORDS, Plan
-from tests.fixtures.scripted_model import EXAMPLE_STOP, ScriptedModel
+from tests.e2e.test_multiturn import Plan, plans
+from tests.fixtures.scripted_model import ScriptedModel
 
 pytestmark = pytest.mark.e2e
 
@@ -197,30 +196,6 @@ def broken_turns(driver: Driver, replies: list[dict[str, Any]]) -> list[int]:
     ]
 
 
-@st.composite
-def plans(draw: st.DrawFn, *, stop_strings: bool) -> Plan:
-    """Conversations of 2-8 turns (the Responses API has no stop strings)."""
-    script = draw(st.sampled_from(["reasoning", "tool_call", "bytes_stop"]))
-    turns = draw(st.integers(2, 8))
-    stop: tuple[str, ...] = ()
-    max_tokens = None
-    if script == "bytes_stop":  # never ends by itself: a stop string or the length ends it
-        if stop_strings and draw(st.booleans()):
-            stop = (EXAMPLE_STOP,)
-        else:
-            max_tokens = draw(st.integers(1, 12))
-    return Plan(
-        script=script,
-        system=draw(st.none() | WORDS),
-        first=draw(WORDS),
-        turns=turns,
-        follow_ups=tuple(draw(st.none() | WORDS) for _ in range(turns - 1)),
-        synonym=False,
-        stop=stop,
-        max_tokens=max_tokens,
-    )
-
-
 def check_conversation(driver: Driver, replies: list[dict[str, Any]]) -> None:
     assert broken_turns(driver, replies) == []
     for index, reply in enumerate(replies):
@@ -236,7 +211,7 @@ PROPERTY = settings(max_examples=4, deadline=None, suppress_health_check=[Health
 
 
 @PROPERTY
-@given(plan=plans(stop_strings=False))
+@given(plan=plans(stop_strings=False, synonyms=False))
 def test_responses_every_turn_starts_with_the_previous_prompt_and_output(
     scripted_server: RunningServer, scripted: ScriptedModel, plan: Plan
 ) -> None:
@@ -245,7 +220,7 @@ def test_responses_every_turn_starts_with_the_previous_prompt_and_output(
 
 
 @PROPERTY
-@given(plan=plans(stop_strings=True))
+@given(plan=plans(synonyms=False))
 def test_messages_every_turn_starts_with_the_previous_prompt_and_output(
     scripted_server: RunningServer, scripted: ScriptedModel, plan: Plan
 ) -> None:
@@ -287,60 +262,59 @@ def _two_turns(
     return driver.body(server, scripted, plan, history), history
 
 
-@pytest.mark.parametrize(
-    ("index", "change", "param"),
-    [
-        (2, {"generation_token_ids": [10**9]}, "input[2].generation_token_ids"),
-        (2, {"prompt_token_ids": [1, 2, 3]}, "input[2].prompt_token_ids"),
-        (2, {"generation_token_ids": None}, "input[2].generation_token_ids"),
-        (1, {"prompt_token_ids": [1], "generation_token_ids": [2]}, "input[2].prompt_token_ids"),
-        (3, {"prompt_token_ids": [1], "generation_token_ids": [2]}, "input[3].prompt_token_ids"),
-    ],
-)
-def test_responses_bad_ids_are_a_400_naming_item_and_field(
-    scripted_server: RunningServer,
-    scripted: ScriptedModel,
-    index: int,
-    change: dict[str, Any],
-    param: str,
-) -> None:
-    """The history: user, reasoning, function_call (the ids), its output.
-    Ids on the reasoning item that differ from the call's are refused too
-    (one turn, one reply)."""
-    body, history = _two_turns(scripted_server, scripted, "responses")
-    history[index] = {k: v for k, v in {**history[index], **change}.items() if v is not None}
-    response = post(scripted_server, "/v1/responses", {**body, "input": history})
+#: (surface, which entry of the second turn's history to change, the change,
+#: where the refusal must point). Responses' history: user, reasoning,
+#: function_call (the ids), its output -- ids on the reasoning item that
+#: differ from the call's are refused too (one turn, one reply). Messages':
+#: user, assistant (the ids), the tool result.
+BAD_IDS = [
+    ("responses", 2, {"generation_token_ids": [10**9]}, "input[2].generation_token_ids"),
+    ("responses", 2, {"prompt_token_ids": [1, 2, 3]}, "input[2].prompt_token_ids"),
+    ("responses", 2, {"generation_token_ids": None}, "input[2].generation_token_ids"),
+    ("responses", 1, {"prompt_token_ids": [1], "generation_token_ids": [2]}, "input[2].prompt_token_ids"),
+    ("responses", 3, {"prompt_token_ids": [1], "generation_token_ids": [2]}, "input[3].prompt_token_ids"),
+    ("messages", 1, {"generation_token_ids": [10**9]}, "messages[1].generation_token_ids"),
+    ("messages", 1, {"prompt_token_ids": [1, 2, 3]}, "messages[1].prompt_token_ids"),
+    ("messages", 1, {"prompt_token_ids": None}, "messages[1].prompt_token_ids"),
+    ("messages", 2, {"prompt_token_ids": [1], "generation_token_ids": [2]}, "messages[2].prompt_token_ids"),
+]  # fmt: skip
+
+
+def refused_at(surface: str, response: httpx.Response) -> str:
+    """Where a 400 in the surface's own error shape says the fault is: the
+    OpenAI body's ``param`` (its message starts with it too); Anthropic's
+    body has no ``param``, so the start of its message."""
     assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert (error["type"], error["param"]) == ("invalid_request_error", param)
-    assert error["message"].startswith(param)
+    payload = response.json()
+    if surface == "messages":
+        assert payload["type"] == "error"
+    error = payload["error"]
+    assert error["type"] == "invalid_request_error"
+    where = str(error["message"]).split(":", 1)[0]
+    if surface == "responses":
+        assert error["param"] == where
+    return where
 
 
-@pytest.mark.parametrize(
-    ("index", "change", "where"),
-    [
-        (1, {"generation_token_ids": [10**9]}, "messages[1].generation_token_ids"),
-        (1, {"prompt_token_ids": [1, 2, 3]}, "messages[1].prompt_token_ids"),
-        (1, {"prompt_token_ids": None}, "messages[1].prompt_token_ids"),
-        (2, {"prompt_token_ids": [1], "generation_token_ids": [2]}, "messages[2].prompt_token_ids"),
-    ],
-)
-def test_messages_bad_ids_are_a_400_naming_message_and_field(
+@pytest.mark.parametrize(("surface", "index", "change", "where"), BAD_IDS)
+def test_bad_ids_are_a_400_naming_item_and_field(
     scripted_server: RunningServer,
     scripted: ScriptedModel,
+    surface: str,
     index: int,
     change: dict[str, Any],
     where: str,
 ) -> None:
-    body, history = _two_turns(scripted_server, scripted, "messages")
+    body, sent = _two_turns(scripted_server, scripted, surface)
+    history = list(sent)  # the body keeps the good history
     history[index] = {k: v for k, v in {**history[index], **change}.items() if v is not None}
-    for path in ("/v1/messages", "/v1/messages/count_tokens"):
-        response = post(scripted_server, path, {**body, "messages": history})
-        assert response.status_code == 400, response.text
-        payload = response.json()
-        assert payload["type"] == "error"
-        assert payload["error"]["type"] == "invalid_request_error"
-        assert payload["error"]["message"].startswith(where + ":")
+    field = "input" if surface == "responses" else "messages"
+    paths = [DRIVERS[surface].path]
+    if surface == "messages":
+        paths.append("/v1/messages/count_tokens")
+    for path in paths:
+        assert refused_at(surface, post(scripted_server, path, {**body, field: history})) == where
+    assert reply_of(scripted_server, paths[0], body)  # the next request is unaffected
 
 
 def test_responses_openai_sdk_passes_output_items_back_with_their_ids(
