@@ -74,10 +74,8 @@ class _AssistantTurn:
         if ids is None:
             return
         if self.ids is not None and self.ids != ids:
-            field_name = (
-                "prompt_token_ids" if self.ids.prompt != ids.prompt else ("generation_token_ids")
-            )
-            param = f"{where}.{field_name}"
+            differs = "prompt" if self.ids.prompt != ids.prompt else "generation"
+            param = f"{where}.{differs}_token_ids"
             raise InvalidRequest(
                 f"{param}: the items of one assistant turn carry different token ids "
                 f"(they came from one reply: send that reply's ids, once is enough)",
