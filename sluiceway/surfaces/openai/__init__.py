@@ -31,7 +31,7 @@ from sluiceway.surfaces.base import (
 from sluiceway.surfaces.openai import chat, completions, models, tokenize
 from sluiceway.surfaces.openai.chat_wire import ChatChunk, ChatCompletion, ChatRequest
 from sluiceway.surfaces.openai.completions_wire import Completion, CompletionRequest
-from sluiceway.surfaces.openai.errors import render_error
+from sluiceway.surfaces.openai.errors import ErrorBody, render_error
 from sluiceway.surfaces.openai.fields import OpenAIOptions
 from sluiceway.surfaces.openai.tokenize_wire import (
     DetokenizeReply,
@@ -41,7 +41,7 @@ from sluiceway.surfaces.openai.tokenize_wire import (
     TokenizeReply,
     TokenizerInfo,
 )
-from sluiceway.surfaces.openai.wire import ErrorBody, ModelCard, ModelList
+from sluiceway.surfaces.openai.wire import ModelCard, ModelList
 
 
 class TokenizeRequest(RootModel[TokenizePromptRequest | TokenizeChatRequest]):

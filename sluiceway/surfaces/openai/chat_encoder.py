@@ -33,13 +33,13 @@ from sluiceway.surfaces.openai.encoding import (
     DONE,
     KEEPALIVE,
     entries_wire,
-    error_frame,
     finish_reason,
     ids_json,
     prompt_entries_wire,
     tool_call_id,
     usage_wire,
 )
+from sluiceway.surfaces.openai.errors import error_frame
 from sluiceway.surfaces.openai.wire import TokenLogprobWire, UsageWire
 from sluiceway.surfaces.sse import json_string, sse
 

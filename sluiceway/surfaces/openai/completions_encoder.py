@@ -28,13 +28,13 @@ from sluiceway.surfaces.openai.completions_wire import (
 from sluiceway.surfaces.openai.encoding import (
     DONE,
     KEEPALIVE,
-    error_frame,
     finish_reason,
     ids_json,
     prompt_entries_wire,
     token_text,
     usage_wire,
 )
+from sluiceway.surfaces.openai.errors import error_frame
 from sluiceway.surfaces.openai.wire import TokenLogprobWire
 from sluiceway.surfaces.sse import json_string, sse
 

@@ -14,14 +14,12 @@ from collections.abc import Iterable
 from sluiceway.protocol.messages import ChoiceDelta, FinishCause, LogprobEntry, Usage
 from sluiceway.surfaces.openai.wire import (
     CompletionTokensDetails,
-    ErrorBody,
-    ErrorDetail,
     PromptTokensDetails,
     TokenLogprobWire,
     TopLogprobWire,
     UsageWire,
 )
-from sluiceway.surfaces.sse import comment, sse
+from sluiceway.surfaces.sse import comment
 
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = comment("keepalive")
@@ -106,9 +104,3 @@ def prompt_entries_wire(
         wire.top_logprobs = wire.top_logprobs[:top]
         wires.append(wire)
     return wires
-
-
-def error_frame(message: str) -> bytes:
-    """A failure in the middle of a stream (the status line is long gone)."""
-    body = ErrorBody(error=ErrorDetail(message=message, type="server_error", param=None, code=None))
-    return sse(body.to_json())

@@ -8,17 +8,6 @@ from typing import Literal
 from sluiceway.surfaces.wire import WireModel
 
 
-class ErrorDetail(WireModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorBody(WireModel):
-    error: ErrorDetail
-
-
 class PromptTokensDetails(WireModel):
     cached_tokens: int = 0
 

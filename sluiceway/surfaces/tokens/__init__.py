@@ -20,10 +20,9 @@ from sluiceway.surfaces.base import (
     bearer_token,
 )
 from sluiceway.surfaces.tokens import generate
-from sluiceway.surfaces.tokens.errors import render_error
+from sluiceway.surfaces.tokens.errors import ErrorBody, render_error
 from sluiceway.surfaces.tokens.wire import (
     GenerateChunk,
-    GenerateError,
     GenerateReply,
     GenerateRequest,
 )
@@ -48,7 +47,7 @@ class TokensSurface:
                     request=GenerateRequest,
                     response=GenerateReply,
                     event=GenerateChunk,
-                    error=GenerateError,
+                    error=ErrorBody,
                 )
             }
         }

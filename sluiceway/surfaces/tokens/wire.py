@@ -151,16 +151,3 @@ class GenerateChunk(WireModel):
     choices: list[GenerateChunkChoiceWire]
     usage: UsageWire | None = None
     prompt_logprobs: PromptLogprobs | None = None
-
-
-class ErrorDetailWire(WireModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class GenerateError(WireModel):
-    """The body of an error reply (``errors.py`` writes it; ``/openapi.json`` reads it)."""
-
-    error: ErrorDetailWire
