@@ -11,6 +11,7 @@ from sluiceway.parsers.registry import ParserChoice
 from sluiceway.server.config import ServerConfig
 from sluiceway.server.runtime import LoadedModel
 from sluiceway.surfaces.base import Serving
+from sluiceway.surfaces.conversation import template_probes
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +26,8 @@ class ServerState:
         return self.config.model_name
 
     def serving(self) -> Serving:
-        """What the surfaces' handlers see of it."""
+        """What the surfaces' handlers see of it (built once, at start-up)."""
+        template_kwargs = self.config.template_defaults()
         return Serving(
             model_name=self.model_name,
             created=self.model.created,
@@ -35,6 +37,9 @@ class ServerState:
             max_num_seqs=self.config.max_num_seqs,
             max_top_logprobs=self.config.max_top_logprobs,
             stop_in_reasoning=self.config.stop_in_reasoning,
-            default_template_kwargs=MappingProxyType(self.config.template_defaults()),
+            default_template_kwargs=MappingProxyType(template_kwargs),
+            prefix_preserving=MappingProxyType(
+                template_probes(self.model.tokenizer, template_kwargs)
+            ),
             constraints=ConstraintCompiler(self.model.grammars),
         )

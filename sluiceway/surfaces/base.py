@@ -134,6 +134,9 @@ class Serving:
     stop_in_reasoning: bool
     #: Chat template variables every request starts from (``--default-chat-template-kwargs``).
     default_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    #: Whether the chat template is prefix-preserving for a user message and
+    #: a tool result after an assistant turn (probed at start-up; issue K).
+    prefix_preserving: Mapping[str, bool | None] = field(default_factory=dict)
     #: Compiles the constraints of structured output (refuses them all
     #: where the model's tokenizer has no grammar engine).
     constraints: ConstraintCompiler = field(default_factory=lambda: ConstraintCompiler(None))

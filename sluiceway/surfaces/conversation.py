@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sluiceway.engines.tokenizer import ChatRender
+from sluiceway.engines.tokenizer import ChatRender, ModelTokenizer
 from sluiceway.parsers.registry import (
     TextPathOptions,
     ToolSchema,
@@ -25,42 +25,18 @@ from sluiceway.parsers.registry import (
 )
 from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.surfaces.base import Serving
-
-
-class Role(enum.Enum):
-    SYSTEM = "system"
-    USER = "user"
-    ASSISTANT = "assistant"
-    TOOL = "tool"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ToolCall:
-    """A call an assistant turn made (passed back in the history)."""
-
-    id: str
-    name: str
-    #: The arguments as the model wrote them: a JSON object's text.
-    arguments: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Message:
-    """One turn of a conversation, in any surface's terms.
-
-    A system turn may sit anywhere in the history; an assistant turn may
-    carry the reasoning (thinking) it produced and the tool calls it made; a
-    tool turn is the result of the call ``tool_call_id``, ``is_error`` when
-    the tool reports a failure.
-    """
-
-    role: Role
-    text: str = ""
-    reasoning: str = ""
-    tool_calls: tuple[ToolCall, ...] = ()
-    tool_call_id: str | None = None
-    name: str | None = None
-    is_error: bool = False
+from sluiceway.surfaces.exact_turns import (
+    ExactPrompt,
+    Render,
+    TurnIdsError,
+    prefix_preserving,
+    splice,
+)
+from sluiceway.surfaces.turns import Message as Message
+from sluiceway.surfaces.turns import Role as Role
+from sluiceway.surfaces.turns import ToolCall as ToolCall
+from sluiceway.surfaces.turns import TurnIds as TurnIds
+from sluiceway.surfaces.turns import turn_ids as turn_ids
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,6 +92,14 @@ class ConversationParams:
     tool_choice: str = "tool_choice"
     #: A tool's arguments schema; ``{index}`` is the tool's place in the list.
     tool_parameters: str = "tools[{index}].function.parameters"
+    #: Where each neutral message came from, for a surface whose items do
+    #: not map one to one onto messages (``input[4]``); empty: ``messages[i]``.
+    locations: tuple[str, ...] = ()
+
+    def message_field(self, index: int, field: str | None) -> str:
+        """A field of one message (``messages[3].prompt_token_ids``)."""
+        where = self.locations[index] if self.locations else f"{self.messages}[{index}]"
+        return where if field is None else f"{where}.{field}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,6 +124,9 @@ _LONE_SURROGATES = re.compile("[\ud800-\udfff]")
 class RenderedPrompt:
     ids: tuple[int, ...]
     options: TextPathOptions
+    #: How many leading ids were the client's own (an assistant message's
+    #: ``prompt_token_ids`` + ``generation_token_ids``); None: none were sent.
+    reused: int | None = None
 
 
 def render_conversation(
@@ -180,8 +167,40 @@ def render_conversation(
         assistant_prefix=rendered.assistant_prefix,
         forced_prefix=forced_prefix,
     )
-    ids = serving.tokenizer.encode(_LONE_SURROGATES.sub("\ufffd", rendered.text + forced_prefix))
-    return RenderedPrompt(tuple(ids), options)
+    exact = _exact(serving, conversation, forced_prefix, params)
+    if exact is not None:
+        return RenderedPrompt(exact.ids, options, exact.reused)
+    return RenderedPrompt(tuple(_encode(serving, rendered.text + forced_prefix)), options)
+
+
+def _encode(serving: Serving, text: str) -> list[int]:
+    return serving.tokenizer.encode(_LONE_SURROGATES.sub("\ufffd", text))
+
+
+def _exact(
+    serving: Serving,
+    conversation: Conversation,
+    forced_prefix: str,
+    params: ConversationParams,
+) -> ExactPrompt | None:
+    """The prompt from an assistant message's own ids (None: no message has
+    any). The splice renders the messages as they stand (no system folding:
+    its errors name messages by their index)."""
+    try:
+        return splice(
+            conversation.messages,
+            render=lambda messages, generation, continued: (
+                _apply(serving, conversation, messages, params, (generation, continued)).text
+            ),
+            encode=lambda text: _encode(serving, text),
+            vocab_size=serving.vocab_size,
+            add_generation_prompt=conversation.add_generation_prompt,
+            continue_final_message=conversation.continue_final_message,
+            extra_text=forced_prefix,
+        )
+    except TurnIdsError as error:
+        where = params.message_field(error.index, error.field)
+        raise InvalidRequest(f"{where}: {error.reason}", param=where) from error
 
 
 def template_kwargs(serving: Serving, conversation: Conversation) -> dict[str, Any]:
@@ -229,20 +248,63 @@ def _apply(
     conversation: Conversation,
     messages: Sequence[Message],
     params: ConversationParams,
+    flags: tuple[bool, bool] | None = None,
 ) -> ChatRender:
+    """Render ``messages`` with the conversation's tools and variables;
+    ``flags``: (add_generation_prompt, continue_final_message) other than
+    the conversation's."""
     offered = () if _mode(conversation) is ToolChoiceMode.NONE else conversation.tools
+    render = _bound(serving.tokenizer, template_kwargs(serving, conversation), offered)
+    if flags is None:
+        flags = (conversation.add_generation_prompt, conversation.continue_final_message)
     try:
-        return serving.tokenizer.chat.render(
-            [_template_message(message) for message in messages],
-            tools=[_template_tool(tool) for tool in offered],
-            template_kwargs=template_kwargs(serving, conversation),
-            add_generation_prompt=conversation.add_generation_prompt,
-            continue_final_message=conversation.continue_final_message,
-        )
+        return render(messages, *flags)
     except Exception as error:  # template errors are the conversation's fault
         raise InvalidRequest(
             f"the chat template could not render these messages: {error}", param=params.messages
         ) from error
+
+
+#: (messages, add_generation_prompt, continue_final_message) -> the rendering.
+_ChatRenderer = Callable[[Sequence[Message], bool, bool], ChatRender]
+
+
+def _bound(
+    tokenizer: ModelTokenizer, template_kwargs: Mapping[str, Any], tools: Sequence[ToolSpec]
+) -> _ChatRenderer:
+    """The one chat template, bound to the tools and template variables."""
+    offered = [_template_tool(tool) for tool in tools]
+
+    def render(messages: Sequence[Message], generation_prompt: bool, continued: bool) -> ChatRender:
+        return tokenizer.chat.render(
+            [_template_message(message) for message in messages],
+            tools=offered,
+            template_kwargs=template_kwargs,
+            add_generation_prompt=generation_prompt,
+            continue_final_message=continued,
+        )
+
+    return render
+
+
+def template_renderer(
+    tokenizer: ModelTokenizer, template_kwargs: Mapping[str, Any], tools: Sequence[ToolSpec] = ()
+) -> Render:
+    """The chat template as the splice and the probes call it: neutral
+    messages and the two flags -> the rendered text."""
+    bound = _bound(tokenizer, template_kwargs, tools)
+    return lambda messages, generation, continued: bound(messages, generation, continued).text
+
+
+def template_probes(
+    tokenizer: ModelTokenizer, template_kwargs: Mapping[str, Any]
+) -> dict[str, bool | None]:
+    """Whether the served template is prefix-preserving for a user message
+    and a tool result after an assistant turn (``/tokenizer_info``); run
+    once at start-up. Empty when the model has no chat template."""
+    if not tokenizer.chat.source:
+        return {}
+    return prefix_preserving(template_renderer(tokenizer, template_kwargs))
 
 
 def _mode(conversation: Conversation) -> ToolChoiceMode:

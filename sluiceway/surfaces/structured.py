@@ -162,6 +162,8 @@ class ConstrainedPrompt:
     ids: tuple[int, ...]
     options: TextPathOptions
     constraint: Constraint | None
+    #: How many leading ids were an assistant message's own (issue K).
+    reused: int | None = None
 
 
 async def constrained_prompt(
@@ -185,10 +187,10 @@ async def constrained_prompt(
     if by_grammar:
         chosen = await _call_format(serving, conversation, output, params)
     if chosen is None:
-        return ConstrainedPrompt(prompt.ids, prompt.options, None)
+        return ConstrainedPrompt(prompt.ids, prompt.options, None, prompt.reused)
     constraint = _after_reasoning(serving, prompt.options, chosen)
     await serving.constraints.check(constraint, param=chosen.param)
-    return ConstrainedPrompt(prompt.ids, prompt.options, constraint)
+    return ConstrainedPrompt(prompt.ids, prompt.options, constraint, prompt.reused)
 
 
 def _mode(conversation: Conversation) -> ToolChoiceMode:

@@ -6,6 +6,7 @@ the template-built frames equal the models' dumps."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -245,3 +246,32 @@ def test_tool_ids_are_minted_where_a_block_opens() -> None:
     assert opened == [("toolu_1", "a"), ("toolu_2", "b")]
     texts = [e.text for e in events if type(e).__name__ == "Added"]
     assert texts == ['{"x"', ": 1}", "{}"]  # a call with no arguments has input {}
+
+
+def test_return_token_ids_at_the_ends_of_the_stream_and_in_the_whole_message() -> None:
+    ids_config = replace(CONFIG, prompt_token_ids=(1, 2, 3), reused_prompt_tokens=3)
+    deltas = (
+        ChoiceDelta(index=0, content="he", token_ids=(7,)),
+        ChoiceDelta(index=0, content="y", finish=FinishCause.EOS, token_ids=(8, 9)),
+    )
+    encoder = MessageStreamEncoder(ids_config)
+    frames = encoder.start() + encoder.encode(Deltas(deltas=deltas))
+    frames += encoder.encode(Completed(usage=Usage(prompt_tokens=3, completion_tokens=3)))
+    events = [
+        json.loads(line[6:]) for line in frames.decode().splitlines() if line.startswith("data: ")
+    ]
+    start = next(e["message"] for e in events if e["type"] == "message_start")
+    delta = next(e["delta"] for e in events if e["type"] == "message_delta")
+    assert (start["prompt_token_ids"], start["reused_prompt_tokens"]) == ([1, 2, 3], 3)
+    assert delta["generation_token_ids"] == [7, 8, 9]
+    whole = MessageAccumulator(ids_config)
+    whole.add(Deltas(deltas=deltas))
+    whole.add(Completed(usage=Usage(prompt_tokens=3, completion_tokens=3)))
+    message = json.loads(whole.to_json())
+    assert message["prompt_token_ids"] == [1, 2, 3]
+    assert message["generation_token_ids"] == [7, 8, 9]
+    assert message["reused_prompt_tokens"] == 3
+    plain = MessageAccumulator(CONFIG)
+    plain.add(Deltas(deltas=deltas))
+    plain.add(Completed(usage=Usage(prompt_tokens=3, completion_tokens=3)))
+    assert "generation_token_ids" not in json.loads(plain.to_json())

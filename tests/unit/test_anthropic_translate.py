@@ -13,7 +13,7 @@ from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.surfaces import validation
 from sluiceway.surfaces.anthropic import translate
 from sluiceway.surfaces.anthropic.wire import MessagesRequest
-from sluiceway.surfaces.conversation import Message, Role, ToolCall, ToolChoiceMode
+from sluiceway.surfaces.conversation import Message, Role, ToolCall, ToolChoiceMode, TurnIds
 
 USER = {"role": "user", "content": "hi"}
 
@@ -253,3 +253,37 @@ def test_max_tokens_is_required() -> None:
     with pytest.raises(InvalidRequest) as raised:
         validation.parse_request(MessagesRequest, {"model": "m", "messages": [USER]})
     assert raised.value.param == "max_tokens"
+
+
+def test_ids_ride_on_the_message_and_errors_name_it() -> None:
+    """A user message with a tool result and text is two neutral turns, both
+    located at the client's message; the assistant's ids stay on its turn
+    (a ``clear_thinking`` edit keeps them)."""
+    assistant = {
+        "role": "assistant",
+        "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}],
+        "prompt_token_ids": [1, 2],
+        "generation_token_ids": [3],
+    }
+    results = {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": "4"},
+            {"type": "text", "text": "and?"},
+        ],
+    }
+    management = {"edits": [{"type": "clear_thinking_20251015"}]}
+    parsed = request(
+        system="be", messages=[USER, assistant, results], context_management=management
+    )
+    conversation, params = translate.conversation_and_params(parsed)
+    assert params.locations == (
+        "system",
+        "messages[0]",
+        "messages[1]",
+        "messages[2]",
+        "messages[2]",
+    )
+    assert conversation.messages[2].ids == TurnIds(prompt=(1, 2), generation=(3,))
+    assert [message.ids for message in conversation.messages[3:]] == [None, None]
+    assert params.message_field(2, "prompt_token_ids") == "messages[1].prompt_token_ids"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -325,3 +326,48 @@ def test_the_eos_entry_rides_an_empty_delta_only_with_logprobs(logprobs: bool) -
         e for e in parse_sse(frames.decode()) if e["type"] == "response.output_text.delta"
     ]
     assert [e["delta"] for e in deltas_out] == (["hi", ""] if logprobs else ["hi"])
+
+
+def test_the_turns_ids_ride_on_its_last_item_only() -> None:
+    """``return_token_ids``: the item the end closes carries the prompt's ids
+    and every generated id (those of earlier deltas too), in the stream's
+    last ``output_item.done`` and in both whole replies."""
+    ids_config = replace(config(logprobs=False), prompt_token_ids=(1, 2), reused_prompt_tokens=2)
+    deltas = [
+        ChoiceDelta(index=0, reasoning="hm", token_ids=(10, 11)),
+        ChoiceDelta(
+            index=0,
+            tool_calls=(ToolCallDelta(index=0, name="get_weather", arguments="{}"),),
+            token_ids=(12,),
+        ),
+        ChoiceDelta(index=0, finish=FinishCause.EOS, called_tools=True, token_ids=(13,)),
+    ]
+    encoder = ResponsesStreamEncoder(ids_config)
+    accumulator = ResponsesAccumulator(ids_config)
+    frames = encoder.start() + encoder.encode(Deltas(deltas=tuple(deltas)))
+    frames += encoder.encode(Completed(usage=USAGE))
+    for delta in deltas:
+        accumulator.add(Deltas(deltas=(delta,)))
+    accumulator.add(Completed(usage=USAGE))
+    events = parse_sse(frames.decode())
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    expected = {"prompt_token_ids": [1, 2], "generation_token_ids": [10, 11, 12, 13]}
+    for items in (
+        done,
+        events[-1]["response"]["output"],
+        json.loads(accumulator.to_json())["output"],
+    ):
+        reasoning, call = items
+        assert "prompt_token_ids" not in reasoning
+        assert {k: call[k] for k in expected} == expected
+    assert json.loads(accumulator.to_json())["reused_prompt_tokens"] == 2
+    assert all(e["response"]["reused_prompt_tokens"] == 2 for e in events if "response" in e)
+
+
+def test_without_return_token_ids_no_item_carries_ids() -> None:
+    accumulator = ResponsesAccumulator(config(logprobs=False))
+    accumulator.add(Deltas(deltas=(ChoiceDelta(index=0, content="x", finish=FinishCause.EOS),)))
+    accumulator.add(Completed(usage=USAGE))
+    reply = json.loads(accumulator.to_json())
+    assert "reused_prompt_tokens" not in reply
+    assert "generation_token_ids" not in reply["output"][0]

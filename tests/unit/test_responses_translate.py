@@ -11,7 +11,14 @@ import pytest
 from sluiceway.protocol.constraints import ConstraintKind
 from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.surfaces import validation
-from sluiceway.surfaces.conversation import Conversation, Message, Role, ToolCall, ToolChoiceMode
+from sluiceway.surfaces.conversation import (
+    Conversation,
+    Message,
+    Role,
+    ToolCall,
+    ToolChoiceMode,
+    TurnIds,
+)
 from sluiceway.surfaces.responses.text_format import format_constraint, format_echo
 from sluiceway.surfaces.responses.tools import ToolTable, tool_table
 from sluiceway.surfaces.responses.translate import (
@@ -52,7 +59,8 @@ def request(**fields: Any) -> ResponsesRequest:
 
 def translate(**fields: Any) -> tuple[Conversation, ToolTable]:
     parsed = request(**fields)
-    return conversation_of(parsed, tool_table(parsed.tools or []))
+    conversation, tools, _ = conversation_of(parsed, tool_table(parsed.tools or []))
+    return conversation, tools
 
 
 def test_a_string_input_is_one_user_turn_after_the_instructions() -> None:
@@ -267,7 +275,7 @@ def test_text_format_constraint(
     text_format: dict[str, Any] | None, kind: ConstraintKind | None
 ) -> None:
     parsed = request(text={"format": text_format} if text_format else None)
-    conversation, _ = conversation_of(parsed, tool_table([]))
+    conversation, _, _ = conversation_of(parsed, tool_table([]))
     constraint = format_constraint(parsed, conversation)
     assert (constraint.kind if constraint else None) is kind
     if kind is ConstraintKind.JSON_SCHEMA:
@@ -279,12 +287,12 @@ def test_text_format_constraint(
 def test_text_format_with_callable_tools_is_refused() -> None:
     tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
     parsed = request(text={"format": SCHEMA_FORMAT}, tools=tools)
-    conversation, _ = conversation_of(parsed, tool_table(parsed.tools or []))
+    conversation, _, _ = conversation_of(parsed, tool_table(parsed.tools or []))
     with pytest.raises(InvalidRequest) as caught:
         format_constraint(parsed, conversation)
     assert caught.value.param == "text.format"
     quiet = request(text={"format": SCHEMA_FORMAT}, tools=tools, tool_choice="none")
-    conversation, _ = conversation_of(quiet, tool_table(quiet.tools or []))
+    conversation, _, _ = conversation_of(quiet, tool_table(quiet.tools or []))
     assert format_constraint(quiet, conversation) is not None
 
 
@@ -318,3 +326,38 @@ def test_effort_switches_thinking(effort: str | None, thinking: bool | None) -> 
     reasoning = {} if effort is None else {"reasoning": {"effort": effort}}
     conversation, _ = translate(**reasoning)
     assert conversation.thinking is thinking
+
+
+def test_a_turns_ids_come_from_its_items_and_errors_name_the_item() -> None:
+    """The ids on a turn's last item (as the reply puts them) go on its one
+    assistant message, whose location is that item; equal ids on two items
+    of the turn are one turn's; different ones are refused."""
+    ids = {"prompt_token_ids": [1, 2], "generation_token_ids": [3]}
+    items: list[dict[str, Any]] = [
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "r"}]},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", **ids},
+        {"type": "function_call_output", "call_id": "c", "output": "4"},
+    ]
+    parsed = request(instructions="be", input=items)
+    conversation, _, params = conversation_of(parsed, tool_table([]))
+    assert params.locations == ("instructions", "input[0]", "input[2]", "input[3]")
+    assistant = conversation.messages[2]
+    assert assistant.ids == TurnIds(prompt=(1, 2), generation=(3,))
+    assert params.message_field(2, "prompt_token_ids") == "input[2].prompt_token_ids"
+    items[1] |= ids
+    assert conversation_of(request(input=items), tool_table([]))[0].messages[1].ids is not None
+    items[1] |= {"generation_token_ids": [9]}
+    with pytest.raises(InvalidRequest) as caught:
+        conversation_of(request(input=items), tool_table([]))
+    assert caught.value.param == "input[2].generation_token_ids"
+
+
+def test_ids_on_a_tool_output_reach_the_core_which_refuses_them() -> None:
+    items = [
+        {"role": "user", "content": "hi"},
+        {"type": "function_call_output", "call_id": "c", "output": "4", "prompt_token_ids": [1]},
+    ]
+    conversation, _, params = conversation_of(request(input=items), tool_table([]))
+    assert conversation.messages[1].ids == TurnIds(prompt=(1,), generation=None)
+    assert params.locations == ("input[0]", "input[1]")

@@ -4,8 +4,8 @@ are built from the same block events (:mod:`.blocks`).
 
 A stream goes: ``message_start`` (the message with no content, the prompt's
 token count), then per block ``content_block_start``, its deltas and
-``content_block_stop``, then ``message_delta`` (the stop reason, the usage)
-and ``message_stop``; ``ping`` while nothing flows; an ``error`` event if the
+``content_block_stop``, then ``message_delta`` (the stop reason, the usage;
+with ``return_token_ids`` the generated ids) and ``message_stop``; ``ping`` while nothing flows; an ``error`` event if the
 generation fails after the stream started. A thinking block ends with an
 empty ``signature_delta``, as Anthropic's do.
 """
@@ -59,6 +59,23 @@ class MessageReplyConfig:
     #: sent before the prefix cache's share is known; ``message_delta``
     #: then gives the split (:func:`usage_wire`), which the SDKs apply.
     input_tokens: int
+    #: ``return_token_ids``: the prompt's ids (None: ids were not asked for).
+    prompt_token_ids: tuple[int, ...] | None = None
+    #: How many leading prompt ids were the client's own (None: it sent none).
+    reused_prompt_tokens: int | None = None
+
+    def message_fields(self) -> dict[str, Any]:
+        """The message's extension fields that are known before generating."""
+        fields: dict[str, Any] = {}
+        if self.prompt_token_ids is not None:
+            fields["prompt_token_ids"] = list(self.prompt_token_ids)
+        if self.reused_prompt_tokens is not None:
+            fields["reused_prompt_tokens"] = self.reused_prompt_tokens
+        return fields
+
+    def generated(self, ids: list[int]) -> dict[str, Any]:
+        """The generated ids, when asked for."""
+        return {} if self.prompt_token_ids is None else {"generation_token_ids": ids}
 
 
 def usage_wire(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> UsageWire:
@@ -112,6 +129,7 @@ class MessageStreamEncoder:
         self._blocks = Blocks()
         self._stop: tuple[StopReason, str | None] = ("end_turn", None)
         self._templates = {kind: _delta_template(kind) for kind in BlockKind}
+        self._token_ids: list[int] = []
 
     def start(self) -> bytes:
         config = self._config
@@ -122,6 +140,7 @@ class MessageStreamEncoder:
             stop_reason=None,
             stop_sequence=None,
             usage=usage_wire(config.input_tokens, 0),
+            **config.message_fields(),
         )
         return event(MessageStartEvent(message=message))
 
@@ -135,7 +154,11 @@ class MessageStreamEncoder:
             stop, sequence = self._stop
             return event(
                 MessageDeltaEvent(
-                    delta=StopDelta(stop_reason=stop, stop_sequence=sequence),
+                    delta=StopDelta(
+                        stop_reason=stop,
+                        stop_sequence=sequence,
+                        **self._config.generated(self._token_ids),
+                    ),
                     usage=final_usage(item.usage),
                 )
             ) + event(MessageStopEvent())
@@ -144,6 +167,7 @@ class MessageStreamEncoder:
         return b""
 
     def _delta_frames(self, delta: ChoiceDelta) -> bytes:
+        self._token_ids += delta.token_ids
         frames = b"".join(self._frame(block) for block in self._blocks.feed(delta))
         if delta.finish is not None:
             self._stop = stop_reason(delta)
@@ -199,6 +223,7 @@ class MessageAccumulator:
         self._stop: tuple[StopReason, str | None] = ("end_turn", None)
         self.usage: Usage | None = None
         self.failure: str | None = None
+        self._token_ids: list[int] = []
 
     def add(self, item: EmitterEvent) -> None:
         if isinstance(item, Deltas):
@@ -210,6 +235,7 @@ class MessageAccumulator:
             self.failure = item.message
 
     def _add_delta(self, delta: ChoiceDelta) -> None:
+        self._token_ids += delta.token_ids
         for block in self._blocks.feed(delta):
             if isinstance(block, Opened):
                 self._content.append(_Block(block))
@@ -231,4 +257,6 @@ class MessageAccumulator:
             stop_reason=stop,
             stop_sequence=sequence,
             usage=final_usage(self.usage),
+            **self._config.message_fields(),
+            **self._config.generated(self._token_ids),
         )

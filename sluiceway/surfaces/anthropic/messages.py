@@ -45,8 +45,8 @@ async def _render(
     serving: Serving, request: ConversationFields, stops: StopOptions = _NO_STOPS
 ) -> RenderedPrompt:
     validation.check_model(request.model, serving.model_name)
-    conversation = translate.conversation_of(request)
-    return await anyio.to_thread.run_sync(render_conversation, serving, conversation, stops)
+    conversation, params = translate.conversation_and_params(request)
+    return await anyio.to_thread.run_sync(render_conversation, serving, conversation, stops, params)
 
 
 async def handle(serving: Serving, call: Call) -> None:
@@ -74,9 +74,14 @@ async def handle(serving: Serving, call: Call) -> None:
         table=table,
         make_pipeline=lambda: build_pipeline(table, text_path),
         logprobs=False,
+        token_ids=request.return_token_ids,
     )
     reply = MessageReplyConfig(
-        message_id=generation.request_id, model=serving.model_name, input_tokens=len(prompt.ids)
+        message_id=generation.request_id,
+        model=serving.model_name,
+        input_tokens=len(prompt.ids),
+        prompt_token_ids=prompt.ids if request.return_token_ids else None,
+        reused_prompt_tokens=prompt.reused,
     )
     jobs = [Job(generation, output)]
     if request.stream:

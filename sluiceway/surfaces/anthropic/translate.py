@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.surfaces import validation
@@ -42,12 +43,14 @@ from sluiceway.surfaces.anthropic.wire import (
 )
 from sluiceway.surfaces.conversation import (
     Conversation,
+    ConversationParams,
     Message,
     Role,
     ToolCall,
     ToolChoice,
     ToolChoiceMode,
     ToolSpec,
+    turn_ids,
 )
 from sluiceway.surfaces.reasoning import Effort, keep_recent_reasoning, thinking_for_effort
 
@@ -62,18 +65,23 @@ _DEFAULT_THINKING_TURNS = 1
 def conversation_of(request: ConversationFields) -> Conversation:
     """The request's conversation in neutral terms (400 for what this server
     cannot take: images, documents, server tools, an output format)."""
+    return conversation_and_params(request)[0]
+
+
+def conversation_and_params(
+    request: ConversationFields,
+) -> tuple[Conversation, ConversationParams]:
+    """The conversation, and where each neutral message came from (a user
+    message with tool results becomes several): errors name the client's
+    own message (``messages[2].prompt_token_ids``)."""
     if request.output_config is not None and request.output_config.format is not None:
         raise InvalidRequest(
             "output_config.format (structured output) is not supported yet",
             param="output_config.format",
         )
-    messages: list[Message] = []
-    if request.system:
-        messages.append(Message(role=Role.SYSTEM, text=_text(request.system, "system")))
-    for index, message in enumerate(request.messages):
-        messages.extend(_messages(message, f"messages[{index}]"))
+    messages, locations = _turns(request)
     choice = request.tool_choice
-    return Conversation(
+    conversation = Conversation(
         messages=_clear_thinking(messages, request.context_management),
         tools=tuple(
             _tool(tool, f"tools[{index}]") for index, tool in enumerate(request.tools or ())
@@ -83,6 +91,7 @@ def conversation_of(request: ConversationFields) -> Conversation:
         template_kwargs=request.chat_template_kwargs,
         thinking=_thinking(request),
     )
+    return conversation, ConversationParams(locations=tuple(locations))
 
 
 def stop_strings(request: MessagesRequest) -> tuple[str, ...]:
@@ -96,6 +105,25 @@ def sampling(request: MessagesRequest) -> validation.Sampling:
 
 
 # --- messages -----------------------------------------------------------------
+
+
+def _turns(request: ConversationFields) -> tuple[list[Message], list[str]]:
+    """The system prompt and messages as neutral turns, and where each came from."""
+    messages: list[Message] = []
+    locations: list[str] = []
+    if request.system:
+        messages.append(Message(role=Role.SYSTEM, text=_text(request.system, "system")))
+        locations.append("system")
+    for index, message in enumerate(request.messages):
+        where = f"messages[{index}]"
+        turns = list(_messages(message, where))
+        # The ids go on the message's first turn; on a user message they are
+        # the core's to refuse.
+        ids = turn_ids(message.prompt_token_ids, message.generation_token_ids)
+        turns[0] = replace(turns[0], ids=ids)
+        messages += turns
+        locations += [where] * len(turns)
+    return messages, locations
 
 
 def _messages(message: MessageParam, param: str) -> Iterator[Message]:

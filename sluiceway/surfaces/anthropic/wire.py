@@ -81,6 +81,11 @@ class MessageParam(LenientModel):
     #: system messages (the ``mid-conversation-system`` beta).
     role: Literal["user", "assistant", "system"]
     content: StrictStr | list[ContentBlock]
+    #: Extension (issue K): the ids of the reply an assistant message came
+    #: from (the reply's own ``prompt_token_ids`` / ``generation_token_ids``
+    #: with ``return_token_ids``), so the next prompt starts with them exactly.
+    prompt_token_ids: list[StrictInt] | None = None
+    generation_token_ids: list[StrictInt] | None = None
 
 
 # --- tools and options ---------------------------------------------------------
@@ -200,6 +205,8 @@ class MessagesRequest(ConversationFields):
     top_k: Annotated[StrictInt, Field(ge=0)] | None = None
     metadata: Metadata | None = None
     service_tier: StrictStr | None = None
+    #: Extension (as on chat): the prompt's and the reply's token ids.
+    return_token_ids: StrictBool = False
 
 
 class CountTokensRequest(ConversationFields):
@@ -249,6 +256,13 @@ class MessageWire(WireModel):
     stop_reason: StopReason | None
     stop_sequence: str | None
     usage: UsageWire
+    #: Extensions (issue K): ``return_token_ids``'s prompt and generated ids
+    #: (streamed: the prompt's in ``message_start``, the generated ones in
+    #: ``message_delta``'s ``delta``), and how many leading prompt ids were
+    #: an assistant message's own.
+    prompt_token_ids: list[int] | None = None
+    generation_token_ids: list[int] | None = None
+    reused_prompt_tokens: int | None = None
 
 
 class MessageStartEvent(WireModel):
@@ -296,6 +310,8 @@ class ContentBlockStopEvent(WireModel):
 class StopDelta(WireModel):
     stop_reason: StopReason
     stop_sequence: str | None
+    #: Extension (``return_token_ids``): the reply's generated ids.
+    generation_token_ids: list[int] | None = None
 
 
 class MessageDeltaEvent(WireModel):

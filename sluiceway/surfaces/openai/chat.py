@@ -20,6 +20,8 @@ from sluiceway.surfaces.conversation import (
     ToolChoice,
     ToolChoiceMode,
     ToolSpec,
+    TurnIds,
+    turn_ids,
 )
 from sluiceway.surfaces.openai import fields
 from sluiceway.surfaces.openai.chat_encoder import (
@@ -65,7 +67,15 @@ def _message(message: ChatMessage) -> Message:
         ),
         tool_call_id=message.tool_call_id,
         name=message.name,
+        ids=_ids(message),
     )
+
+
+def _ids(message: ChatMessage) -> TurnIds | None:
+    generation = message.generation_token_ids
+    if generation is None:
+        generation = message.token_ids
+    return turn_ids(message.prompt_token_ids, generation)
 
 
 class ConversationFields(Protocol):
@@ -189,6 +199,7 @@ async def handle(options: OpenAIOptions, serving: Serving, call: Call) -> None:
         reasoning_field=options.reasoning_field,
         tokens_as_ids=fields.tokens_as_ids(options, request),
         prompt_token_ids=prompt.ids if request.return_token_ids else None,
+        reused_prompt_tokens=prompt.reused,
     )
     jobs = [Job(generation, config)]
     if request.stream:

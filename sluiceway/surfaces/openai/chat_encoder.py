@@ -58,6 +58,8 @@ class ChatReplyConfig:
     tokens_as_ids: bool = False
     #: ``return_token_ids``: the prompt's ids (None: ids were not asked for).
     prompt_token_ids: tuple[int, ...] | None = None
+    #: How many leading prompt ids were the client's own (None: it sent none).
+    reused_prompt_tokens: int | None = None
 
 
 def _reasoning_fields(text: str | None, field_name: ReasoningField) -> dict[str, str | None]:
@@ -124,6 +126,8 @@ class ChatStreamEncoder:
         choices: list[ChunkChoiceWire],
         usage: UsageWire | None = None,
         prompt_ids: tuple[int, ...] | None = None,
+        *,
+        opening: bool = False,
     ) -> bytes:
         chunk = ChatChunk(
             id=self._config.completion_id,
@@ -137,12 +141,18 @@ class ChatStreamEncoder:
             chunk.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
         if prompt_ids is not None:
             chunk.prompt_token_ids = list(prompt_ids)
+        if opening and self._config.reused_prompt_tokens is not None:
+            chunk.reused_prompt_tokens = self._config.reused_prompt_tokens
         return sse(chunk.to_json())
 
     def start(self) -> bytes:
         opening = DeltaWire(role="assistant", content="", refusal=None)
         return b"".join(
-            self._chunk([self._choice(index, opening)], prompt_ids=self._config.prompt_token_ids)
+            self._chunk(
+                [self._choice(index, opening)],
+                prompt_ids=self._config.prompt_token_ids,
+                opening=True,
+            )
             for index in range(self._config.n)
         )
 
@@ -283,6 +293,8 @@ class ChatAccumulator:
             )
         if self._config.prompt_token_ids is not None:
             completion.prompt_token_ids = list(self._config.prompt_token_ids)
+        if self._config.reused_prompt_tokens is not None:
+            completion.reused_prompt_tokens = self._config.reused_prompt_tokens
         return completion
 
     def _choice(self, index: int, totals: _ChoiceTotals) -> ChatChoiceWire:

@@ -47,6 +47,13 @@ class ChatMessage(LenientModel):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    #: Extensions (issue K): the ids of the reply an assistant message came
+    #: from, so the next prompt starts with them exactly. ``token_ids`` (as
+    #: ``return_token_ids`` replies name them) is a synonym of
+    #: ``generation_token_ids``.
+    prompt_token_ids: list[StrictInt] | None = None
+    generation_token_ids: list[StrictInt] | None = None
+    token_ids: list[StrictInt] | None = None
 
     @model_validator(mode="after")
     def _content_where_required(self) -> ChatMessage:
@@ -54,6 +61,12 @@ class ChatMessage(LenientModel):
             raise ValueError(f"a {self.role} message needs content")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs tool_call_id")
+        if (
+            self.token_ids is not None
+            and self.generation_token_ids is not None
+            and self.token_ids != self.generation_token_ids
+        ):
+            raise ValueError("token_ids and generation_token_ids differ; send one of them")
         return self
 
     def text(self) -> str:
@@ -218,6 +231,9 @@ class ChatChunk(WireModel):
     prompt_logprobs: list[TokenLogprobWire | None] | None = None
     #: Extension (``return_token_ids``): the prompt's ids, on each choice's first chunk.
     prompt_token_ids: list[int] | None = None
+    #: Extension (issue K): how many leading prompt ids were the client's own
+    #: (an assistant message's ids), on each choice's first chunk.
+    reused_prompt_tokens: int | None = None
 
 
 class ToolCallMessageWire(WireModel):
@@ -257,3 +273,5 @@ class ChatCompletion(WireModel):
     prompt_logprobs: list[TokenLogprobWire | None] | None = None
     #: Extension (``return_token_ids``): the ids of the prompt the model saw.
     prompt_token_ids: list[int] | None = None
+    #: Extension (issue K): how many leading prompt ids were the client's own.
+    reused_prompt_tokens: int | None = None

@@ -15,7 +15,12 @@ from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.protocol.tokens import TokenTable
 from sluiceway.surfaces import validation
 from sluiceway.surfaces.base import Call, Serving
-from sluiceway.surfaces.conversation import ConversationParams, StopOptions, render_conversation
+from sluiceway.surfaces.conversation import (
+    ConversationParams,
+    RenderedPrompt,
+    StopOptions,
+    render_conversation,
+)
 from sluiceway.surfaces.openai.chat import conversation_of
 from sluiceway.surfaces.openai.tokenize_wire import (
     DetokenizeReply,
@@ -33,7 +38,7 @@ def _check_model(serving: Serving, model: str | None) -> None:
         validation.check_model(model, serving.model_name)
 
 
-def _chat_ids(serving: Serving, request: TokenizeChatRequest) -> tuple[int, ...]:
+def _chat_prompt(serving: Serving, request: TokenizeChatRequest) -> RenderedPrompt:
     if request.continue_final_message and request.add_generation_prompt:
         raise InvalidRequest(
             "continue_final_message and add_generation_prompt cannot both be true",
@@ -53,9 +58,7 @@ def _chat_ids(serving: Serving, request: TokenizeChatRequest) -> tuple[int, ...]
     # The prompt as chat would render it: where a grammar holds the tool
     # calls, no forced call prefix is written into it.
     by_grammar = calls_by_grammar(serving, conversation, None, ConversationParams())
-    return render_conversation(
-        serving, conversation, StopOptions(), tools_by_grammar=by_grammar
-    ).ids
+    return render_conversation(serving, conversation, StopOptions(), tools_by_grammar=by_grammar)
 
 
 def _tokenize(serving: Serving, payload: Any) -> TokenizeReply:
@@ -65,13 +68,16 @@ def _tokenize(serving: Serving, payload: Any) -> TokenizeReply:
     if isinstance(payload, dict) and "messages" in payload:
         request = validation.parse_request(TokenizeChatRequest, payload)
         _check_model(serving, request.model)
-        ids = _chat_ids(serving, request)
+        prompt = _chat_prompt(serving, request)
+        ids, reused = prompt.ids, prompt.reused
     else:
         request = validation.parse_request(TokenizePromptRequest, payload)
         _check_model(serving, request.model)
         encode = tokenizer.encode_prompt if request.add_special_tokens else tokenizer.encode
-        ids = tuple(encode(request.prompt))
+        ids, reused = tuple(encode(request.prompt)), None
     reply = TokenizeReply(count=len(ids), max_model_len=serving.max_context, tokens=list(ids))
+    if reused is not None:
+        reply.reused_prompt_tokens = reused
     if request.return_token_strs:
         reply.token_strs = tokenizer.token_strings(ids)
     return reply
@@ -98,4 +104,7 @@ async def detokenize(serving: Serving, call: Call) -> None:
 
 async def tokenizer_info(serving: Serving, call: Call) -> None:
     config = await anyio.to_thread.run_sync(serving.tokenizer.config)
-    await call.send_json(TokenizerInfo.model_validate(config).to_json())
+    info = TokenizerInfo.model_validate(config)
+    if serving.prefix_preserving:
+        info.prefix_preserving = dict(serving.prefix_preserving)
+    await call.send_json(info.to_json())

@@ -42,6 +42,8 @@ class TokenizeReply(WireModel):
     max_model_len: int
     tokens: list[int]
     token_strs: list[str] | None = None
+    #: Extension (issue K): how many leading ids were an assistant message's own.
+    reused_prompt_tokens: int | None = None
 
 
 class DetokenizeRequest(StrictModel):
@@ -60,3 +62,7 @@ class TokenizerInfo(WireModel):
     model_config = ConfigDict(extra="allow")
 
     tokenizer_class: str
+    #: Extension (issue K): whether re-rendering keeps the earlier prompt as
+    #: a prefix when a ``user`` message or a ``tool`` result follows an
+    #: assistant turn that reasoned (None: the template cannot render it).
+    prefix_preserving: dict[str, bool | None] | None = None

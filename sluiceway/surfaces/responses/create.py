@@ -15,7 +15,7 @@ from sluiceway.protocol.errors import NotFound
 from sluiceway.protocol.messages import GenerationRequest
 from sluiceway.surfaces import validation
 from sluiceway.surfaces.base import Call, Job, Serving, send_whole
-from sluiceway.surfaces.conversation import ConversationParams, StopOptions, render_conversation
+from sluiceway.surfaces.conversation import StopOptions, render_conversation
 from sluiceway.surfaces.responses.encoder import (
     ReplyConfig,
     ResponsesAccumulator,
@@ -36,7 +36,6 @@ from sluiceway.surfaces.responses.translate import (
 )
 from sluiceway.surfaces.responses.wire import ResponsesRequest
 
-_PARAMS = ConversationParams(messages="input", tools="tools", tool_choice="tool_choice")
 _LIMIT_NAMES = validation.LimitParamNames(prompt="input", max_tokens="max_output_tokens")
 _LOGPROB_NAMES = validation.LogprobParamNames(top="top_logprobs")
 
@@ -87,10 +86,10 @@ async def create(serving: Serving, call: Call) -> None:
     payload = validation.parse_json(await call.body())
     request = validation.parse_request(ResponsesRequest, payload)
     _check(serving, request)
-    conversation, tools = conversation_of(request, tool_table(request.tools or []))
+    conversation, tools, params = conversation_of(request, tool_table(request.tools or []))
     constraint = format_constraint(request, conversation)
     prompt = await anyio.to_thread.run_sync(
-        render_conversation, serving, conversation, StopOptions(), _PARAMS
+        render_conversation, serving, conversation, StopOptions(), params
     )
     if constraint is not None:
         constraint = await reply_constraint(serving, constraint, prompt.options)
@@ -125,6 +124,7 @@ async def create(serving: Serving, call: Call) -> None:
         table=table,
         make_pipeline=lambda: build_pipeline(table, text_path),
         logprobs=logprobs.per_token,
+        token_ids=request.return_token_ids,
     )
     reply = ReplyConfig(
         response_id=generation.request_id,
@@ -133,6 +133,8 @@ async def create(serving: Serving, call: Call) -> None:
         tools=tools,
         logprobs=logprobs.per_token,
         echo=_echo(request, payload),
+        prompt_token_ids=prompt.ids if request.return_token_ids else None,
+        reused_prompt_tokens=prompt.reused,
     )
     jobs = [Job(generation, output)]
     if request.stream:

@@ -89,6 +89,10 @@ class ReplyConfig:
     logprobs: bool
     #: The request's settings as the ``response`` object echoes them.
     echo: Mapping[str, Any]
+    #: ``return_token_ids``: the prompt's ids (None: ids were not asked for).
+    prompt_token_ids: tuple[int, ...] | None = None
+    #: How many leading prompt ids were the client's own (None: it sent none).
+    reused_prompt_tokens: int | None = None
 
 
 def logprobs_wire(entries: list[LogprobEntry] | tuple[LogprobEntry, ...]) -> list[LogprobWire]:
@@ -110,8 +114,29 @@ def _namespace(item: OutputItem) -> dict[str, str]:
     return {} if item.namespace is None else {"namespace": item.namespace}
 
 
-def item_wire(item: OutputItem, *, added: bool = False) -> OutputItemWire:
-    """An item as it stands, or (``added``) as it was announced: empty."""
+def item_wire(
+    item: OutputItem, *, added: bool = False, ids: dict[str, list[int]] | None = None
+) -> OutputItemWire:
+    """An item as it stands, or (``added``) as it was announced: empty;
+    ``ids``: the turn's token ids, which its last item carries."""
+    wire = _item_wire(item, added=added)
+    if ids:
+        for name, values in ids.items():
+            setattr(wire, name, values)
+    return wire
+
+
+def turn_ids(config: ReplyConfig, items: OutputItems, item: OutputItem) -> dict[str, list[int]]:
+    """The ids ``item`` carries: the turn's, on its last item, when asked for."""
+    if config.prompt_token_ids is None or item is not items.last:
+        return {}
+    return {
+        "prompt_token_ids": list(config.prompt_token_ids),
+        "generation_token_ids": list(items.token_ids),
+    }
+
+
+def _item_wire(item: OutputItem, *, added: bool) -> OutputItemWire:
     status: Any = "in_progress" if added else item.status
     if item.kind is ItemKind.MESSAGE:
         parts = [] if added else [text_part(item)]
@@ -155,7 +180,7 @@ def usage_wire(usage: Usage) -> UsageWire:
 def response_wire(
     config: ReplyConfig,
     status: ResponseStatus,
-    items: list[OutputItem],
+    items: OutputItems,
     *,
     usage: Usage | None = None,
     error: str | None = None,
@@ -170,10 +195,16 @@ def response_wire(
             IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None
         ),
         model=config.model,
-        output=[item_wire(item) for item in items],
+        output=[item_wire(item, ids=turn_ids(config, items, item)) for item in items.items],
         usage=None if usage is None else usage_wire(usage),
         **config.echo,
+        **_reused(config),
     )
+
+
+def _reused(config: ReplyConfig) -> dict[str, int]:
+    reused = config.reused_prompt_tokens
+    return {} if reused is None else {"reused_prompt_tokens": reused}
 
 
 def final_status(finish: FinishCause | None) -> tuple[ResponseStatus, str | None]:
@@ -211,7 +242,7 @@ class ResponsesStreamEncoder:
         usage: Usage | None = None,
         error: str | None = None,
     ) -> bytes:
-        response = response_wire(self._config, status, self._items.items, usage=usage, error=error)
+        response = response_wire(self._config, status, self._items, usage=usage, error=error)
         event = LifecycleEvent(type=event_type, sequence_number=self._next(), response=response)
         return self._frame(event, event_type)
 
@@ -249,7 +280,9 @@ class ResponsesStreamEncoder:
             type=event_type,
             sequence_number=self._next(),
             output_index=item.index,
-            item=item_wire(item, added=added),
+            item=item_wire(
+                item, added=added, ids=None if added else turn_ids(self._config, self._items, item)
+            ),
         )
         return self._frame(wire, event_type)
 
@@ -388,7 +421,7 @@ class ResponsesAccumulator:
     def build(self) -> ResponseWire:
         assert self._usage is not None, "build() before the request completed"
         status, _ = final_status(self._items.finish)
-        return response_wire(self._config, status, self._items.items, usage=self._usage)
+        return response_wire(self._config, status, self._items, usage=self._usage)
 
     def to_json(self) -> str:
         return self.build().to_json()

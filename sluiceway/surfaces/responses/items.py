@@ -17,6 +17,9 @@ message, so the deltas' entries always add up to the message's; with no
 message open they are not reported (the Responses API has logprobs for
 message text only).
 
+The choice's generated ids (``return_token_ids``) are gathered whole: they
+ride on the item the choice's end closes, the turn's last (issue K).
+
 Sans-IO: the stream encoder frames the events, the whole-reply accumulator
 keeps only the items.
 """
@@ -105,9 +108,14 @@ class OutputItems:
         self._open: OutputItem | None = None
         #: Why the choice ended, once it has.
         self.finish: FinishCause | None = None
+        #: The choice's generated ids, as the deltas bring them.
+        self.token_ids: list[int] = []
+        #: The item the choice's end closed: the turn's last.
+        self.last: OutputItem | None = None
 
     def feed(self, delta: ChoiceDelta) -> list[ItemEvent]:
         events: list[ItemEvent] = []
+        self.token_ids += delta.token_ids
         if delta.reasoning:
             item = self._item(ItemKind.REASONING, events)
             events.append(self._add(item, delta.reasoning))
@@ -122,6 +130,7 @@ class OutputItems:
         if delta.finish is not None:
             self.finish = delta.finish
             incomplete = delta.finish is FinishCause.MAX_TOKENS
+            self.last = self._open
             events += self._close("incomplete" if incomplete else "completed")
         return events
 

@@ -39,7 +39,16 @@ class ReasoningTextPart(WireModel):
     text: str
 
 
-class MessageWire(WireModel):
+class TurnIdsWire(WireModel):
+    """Extension (``return_token_ids``, on a reply's last output item): the
+    prompt's ids and the whole turn's generated ids, which the item carries
+    back in the next request's ``input`` (issue K)."""
+
+    prompt_token_ids: list[int] | None = None
+    generation_token_ids: list[int] | None = None
+
+
+class MessageWire(TurnIdsWire):
     id: str
     type: Literal["message"] = "message"
     status: ItemStatus
@@ -47,7 +56,7 @@ class MessageWire(WireModel):
     content: list[OutputTextPart]
 
 
-class ReasoningWire(WireModel):
+class ReasoningWire(TurnIdsWire):
     id: str
     type: Literal["reasoning"] = "reasoning"
     status: ItemStatus
@@ -56,7 +65,7 @@ class ReasoningWire(WireModel):
     encrypted_content: str | None = None
 
 
-class FunctionCallWire(WireModel):
+class FunctionCallWire(TurnIdsWire):
     id: str
     type: Literal["function_call"] = "function_call"
     status: ItemStatus
@@ -66,7 +75,7 @@ class FunctionCallWire(WireModel):
     namespace: str | None = None
 
 
-class CustomToolCallWire(WireModel):
+class CustomToolCallWire(TurnIdsWire):
     id: str
     type: Literal["custom_tool_call"] = "custom_tool_call"
     status: ItemStatus
@@ -141,6 +150,9 @@ class ResponseWire(WireModel):
     safety_identifier: str | None = None
     service_tier: str = "default"
     max_tool_calls: int | None = None
+    #: Extension (issue K): how many leading prompt ids were the client's own
+    #: (an assistant turn's ``prompt_token_ids`` + ``generation_token_ids``).
+    reused_prompt_tokens: int | None = None
 
 
 # --- streamed events -------------------------------------------------------------

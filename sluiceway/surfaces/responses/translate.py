@@ -6,6 +6,11 @@ assistant ``message``, ``function_call`` and ``custom_tool_call`` items)
 gather into one assistant turn, as the chat template expects; tool outputs
 become tool turns. The server keeps no state: items that refer to stored
 ones are refused.
+
+The items of an assistant turn may carry the ids of the reply they came
+from (issue K; the reply puts them on its last output item): the turn
+takes them, and its location for errors is that item's (``input[5]``), so
+that a refusal names the field the client sent.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ from dataclasses import dataclass, field
 from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.surfaces.conversation import (
     Conversation,
+    ConversationParams,
     Message,
     Role,
     ToolCall,
     ToolChoiceMode,
+    TurnIds,
+    turn_ids,
 )
 from sluiceway.surfaces.responses.tools import CUSTOM_INPUT, ToolTable, qualified, tool_choice
 from sluiceway.surfaces.responses.wire import (
@@ -31,6 +39,7 @@ from sluiceway.surfaces.responses.wire import (
     MessageItem,
     ReasoningItem,
     ResponsesRequest,
+    TurnIdsFields,
 )
 
 STATELESS = (
@@ -51,11 +60,28 @@ _NO_THINKING = frozenset({"none", "minimal"})
 
 @dataclass(slots=True)
 class _AssistantTurn:
-    """The items of one assistant turn, gathered into one message."""
+    """The items of one assistant turn, gathered into one message; ``where``:
+    its first item, or the item that carried its ids."""
 
+    where: str
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
+    ids: TurnIds | None = None
+
+    def take_ids(self, item: TurnIdsFields, where: str) -> None:
+        ids = _ids(item)
+        if ids is None:
+            return
+        if self.ids is not None and self.ids != ids:
+            differs = "prompt" if self.ids.prompt != ids.prompt else "generation"
+            param = f"{where}.{differs}_token_ids"
+            raise InvalidRequest(
+                f"{param}: the items of one assistant turn carry different token ids "
+                f"(they came from one reply: send that reply's ids, once is enough)",
+                param=param,
+            )
+        self.ids, self.where = ids, where
 
     def message(self) -> Message:
         return Message(
@@ -63,7 +89,20 @@ class _AssistantTurn:
             text="".join(self.text),
             reasoning="\n\n".join(self.reasoning),
             tool_calls=tuple(self.calls),
+            ids=self.ids,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Turns:
+    """The neutral turns, and where each came from (for errors)."""
+
+    messages: tuple[Message, ...]
+    locations: tuple[str, ...]
+
+
+def _ids(item: TurnIdsFields) -> TurnIds | None:
+    return turn_ids(item.prompt_token_ids, item.generation_token_ids)
 
 
 def _text(text: str | None, param: str) -> str:
@@ -84,55 +123,78 @@ def _call(item: FunctionCallItem | CustomToolCallItem) -> ToolCall:
 
 
 def _other(item: InputItem, param: str) -> Message:
-    """A turn that is not the assistant's."""
+    """A turn that is not the assistant's (ids on it are the core's to refuse)."""
     if isinstance(item, MessageItem):
-        return Message(role=_ROLES[item.role], text=_text(item.text(), f"{param}.content"))
+        text = _text(item.text(), f"{param}.content")
+        return Message(role=_ROLES[item.role], text=text, ids=_ids(item))
     if isinstance(item, CallOutputItem):
         return Message(
-            role=Role.TOOL, text=_text(item.text(), f"{param}.output"), tool_call_id=item.call_id
+            role=Role.TOOL,
+            text=_text(item.text(), f"{param}.output"),
+            tool_call_id=item.call_id,
+            ids=_ids(item),
         )
     assert isinstance(item, ItemReference)
     raise InvalidRequest(f"{param} refers to the stored item {item.id!r}; {STATELESS}", param=param)
 
 
-def messages_of(request: ResponsesRequest) -> tuple[Message, ...]:
+def turns_of(request: ResponsesRequest) -> Turns:
     """``instructions`` and ``input`` as neutral turns."""
-    messages = []
+    turns = _TurnsBuilder()
     if request.instructions:
-        messages.append(Message(role=Role.SYSTEM, text=request.instructions))
+        turns.add(Message(role=Role.SYSTEM, text=request.instructions), "instructions")
     if isinstance(request.input, str):
-        messages.append(Message(role=Role.USER, text=request.input))
-        return tuple(messages)
-    turn: _AssistantTurn | None = None
+        turns.add(Message(role=Role.USER, text=request.input), "input")
+        return turns.build()
     for index, item in enumerate(request.input):
-        param = f"input[{index}]"
+        turns.item(item, f"input[{index}]")
+    return turns.build()
+
+
+class _TurnsBuilder:
+    def __init__(self) -> None:
+        self._messages: list[Message] = []
+        self._locations: list[str] = []
+        self._turn: _AssistantTurn | None = None
+
+    def add(self, message: Message, where: str) -> None:
+        self._messages.append(message)
+        self._locations.append(where)
+
+    def item(self, item: InputItem, param: str) -> None:
         assistant = isinstance(item, ReasoningItem | FunctionCallItem | CustomToolCallItem) or (
             isinstance(item, MessageItem) and item.role == "assistant"
         )
         if not assistant:
-            if turn is not None:
-                messages.append(turn.message())
-                turn = None
-            messages.append(_other(item, param))
-            continue
+            self._close()
+            self.add(_other(item, param), param)
+            return
+        turn = self._turn
         # A turn's reasoning comes first and its calls last: a reasoning item
         # after text or calls, or text after calls, starts the next turn.
         if turn is not None and (
             (isinstance(item, ReasoningItem) and (turn.text or turn.calls))
             or (isinstance(item, MessageItem) and turn.calls)
         ):
-            messages.append(turn.message())
-            turn = None
-        turn = turn or _AssistantTurn()
+            self._close()
+        turn = self._turn = self._turn or _AssistantTurn(where=param)
         if isinstance(item, ReasoningItem):
             turn.reasoning.append(item.text())
         elif isinstance(item, MessageItem):
             turn.text.append(_text(item.text(), f"{param}.content"))
         elif isinstance(item, FunctionCallItem | CustomToolCallItem):
             turn.calls.append(_call(item))
-    if turn is not None:
-        messages.append(turn.message())
-    return tuple(messages)
+        if isinstance(item, TurnIdsFields):
+            turn.take_ids(item, param)
+
+    def _close(self) -> None:
+        if self._turn is not None:
+            self.add(self._turn.message(), self._turn.where)
+            self._turn = None
+
+    def build(self) -> Turns:
+        self._close()
+        return Turns(tuple(self._messages), tuple(self._locations))
 
 
 def check_stateless(request: ResponsesRequest) -> None:
@@ -165,18 +227,25 @@ def thinking(request: ResponsesRequest) -> bool | None:
     return effort not in _NO_THINKING
 
 
-def conversation_of(request: ResponsesRequest, table: ToolTable) -> tuple[Conversation, ToolTable]:
-    """The request in neutral terms, and the tools on offer."""
+def conversation_of(
+    request: ResponsesRequest, table: ToolTable
+) -> tuple[Conversation, ToolTable, ConversationParams]:
+    """The request in neutral terms, the tools on offer, and the names its
+    errors give the fields."""
     choice, offered = tool_choice(request, table)
     if not offered.specs and choice is not None and choice.mode is ToolChoiceMode.AUTO:
         # Only hosted tools (not offered): "auto" leaves the model nothing to call.
         choice = None
+    turns = turns_of(request)
     conversation = Conversation(
-        messages=messages_of(request),
+        messages=turns.messages,
         tools=offered.specs,
         tool_choice=choice,
         parallel_tool_calls=request.parallel_tool_calls is not False,
         template_kwargs=request.chat_template_kwargs,
         thinking=thinking(request),
     )
-    return conversation, offered
+    params = ConversationParams(
+        messages="input", tools="tools", tool_choice="tool_choice", locations=turns.locations
+    )
+    return conversation, offered, params

@@ -104,7 +104,16 @@ def _text_of(parts: str | list[ContentPart]) -> str | None:
     return "".join(texts)
 
 
-class MessageItem(LenientModel):
+class TurnIdsFields(LenientModel):
+    """Extension (issue K): the ids of the reply an assistant turn's items
+    came from (as ``return_token_ids`` puts them on its last output item),
+    so the next prompt starts with them exactly."""
+
+    prompt_token_ids: list[StrictInt] | None = None
+    generation_token_ids: list[StrictInt] | None = None
+
+
+class MessageItem(TurnIdsFields):
     """A message; ``type`` may be left out (OpenAI's "easy" input message)."""
 
     type: Literal["message"] = "message"
@@ -115,7 +124,7 @@ class MessageItem(LenientModel):
         return _text_of(self.content)
 
 
-class FunctionCallItem(LenientModel):
+class FunctionCallItem(TurnIdsFields):
     type: Literal["function_call"]
     call_id: StrictStr
     name: StrictStr
@@ -123,7 +132,7 @@ class FunctionCallItem(LenientModel):
     namespace: str | None = None
 
 
-class CustomToolCallItem(LenientModel):
+class CustomToolCallItem(TurnIdsFields):
     type: Literal["custom_tool_call"]
     call_id: StrictStr
     name: StrictStr
@@ -131,7 +140,7 @@ class CustomToolCallItem(LenientModel):
     namespace: str | None = None
 
 
-class CallOutputItem(LenientModel):
+class CallOutputItem(TurnIdsFields):
     """The result of a function or custom tool call, as text or text parts."""
 
     type: Literal["function_call_output", "custom_tool_call_output"]
@@ -147,7 +156,7 @@ class ReasoningText(LenientModel):
     text: str
 
 
-class ReasoningItem(LenientModel):
+class ReasoningItem(TurnIdsFields):
     """Reasoning passed back: its text parts (``content``, else the summary)."""
 
     type: Literal["reasoning"]
@@ -336,6 +345,9 @@ class ResponsesRequest(StrictModel):
     client_metadata: dict[str, Any] | None = None
     # Extension (vLLM's): variables for the chat template.
     chat_template_kwargs: dict[str, Any] | None = None
+    # Extension (as on chat): the prompt's and the reply's token ids, on the
+    # reply's last output item (issue K).
+    return_token_ids: StrictBool = False
 
     @property
     def wants_logprobs(self) -> bool:
