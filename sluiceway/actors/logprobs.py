@@ -9,11 +9,12 @@ array is not kept.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import numpy.typing as npt
 
-from sluiceway.protocol.messages import LogprobParams, TokenLogprob
+from sluiceway.protocol.messages import LogprobParams, SampledStep, TokenLogprob
 
 #: The value reported for a logprob of -inf (a token that cannot be sampled):
 #: JSON has no infinity, and clients parse this as "impossible".
@@ -104,6 +105,14 @@ def reduce_rows(
             requested=tuple((int(t), _finite(float(row[t]) - base)) for t in p.token_ids),
         )
     return result
+
+
+def reduce_step(step: SampledStep) -> SampledStep:
+    """A sampled step with its logprobs reduced and its logits released."""
+    source = step.processed if step.processed is not None else step.logits
+    assert source is not None, "only steps that carry logits are reduced"
+    logprobs = reduce_rows(source, step.token_ids, [row.logprobs for row in step.rows])
+    return replace(step, logprobs=tuple(logprobs), logits=None, processed=None)
 
 
 def reduce_targets(logits: FloatArray, targets: Sequence[int], top: int) -> list[TokenLogprob]:
