@@ -46,6 +46,9 @@ def log_normaliser(rows: FloatArray) -> npt.NDArray[np.float32]:
 #: Width of the blocks ``top_k`` skims. A selection over the block maxima
 #: narrows a 150k vocabulary to ``k`` blocks in about one pass of ``max``.
 _BLOCK = 128
+#: A row this short is selected from whole: skimming its few blocks costs
+#: more NumPy calls than the one selection over it saves.
+_WHOLE_ROW = 8192
 
 
 def top_k(row: FloatArray, k: int) -> npt.NDArray[np.int64]:
@@ -71,7 +74,7 @@ def _candidates(row: FloatArray, k: int) -> npt.NDArray[np.int64]:
     block holding a top-k value has a maximum at least that large.
     """
     blocks = row.shape[0] // _BLOCK
-    if blocks <= k:
+    if blocks <= k or row.shape[0] <= _WHOLE_ROW:
         return np.arange(row.shape[0], dtype=np.int64)
     maxima = row[: blocks * _BLOCK].reshape(blocks, _BLOCK).max(axis=1)
     threshold = np.partition(maxima, blocks - k)[blocks - k]
