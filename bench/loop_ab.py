@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/loop_ab.py --tree-b ../other-checkout [--phases 16]
     .venv/bin/python bench/loop_ab.py --args-b='--worker-class trio'
+    .venv/bin/python bench/loop_ab.py --tree-a /tmp/base --api chat \
+        --body '{"temperature": 1, "seed": 7, "logprobs": true, "top_logprobs": 5}'
 
 Two servers run at once, each on a stand-in engine that sleeps for a decode
 step instead of computing (``--step-ms``, 16 by default: the large benchmark
@@ -18,7 +20,10 @@ A tree is a checkout of this repository (``git worktree add``); it goes
 first on the server's ``sys.path``, so its ``sluiceway`` package is the one
 served. The stand-in engine emits ordinary tokens of the embedded default
 model's vocabulary, one after the other; what matters is that every step
-streams one token per row, as greedy decoding does.
+streams one token per row, as greedy decoding does. ``--body`` adds fields to
+every request (sampling, logprobs); sampled at temperature 1, the stand-in's
+peak token keeps ~92% of the mass over the tiny vocabulary, the rest is
+spread evenly.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import os
 import shlex
 import statistics
@@ -148,9 +154,12 @@ def start(name: str, tree: Path, port: int, model: Path, step_ms: float, args: s
     return Server(name, process, f"http://127.0.0.1:{port}", log)
 
 
-async def phase(server: Server, model: Path, prompts: Any, concurrency: int) -> float:
+async def phase(
+    server: Server, model: Path, prompts: Any, concurrency: int, shape: argparse.Namespace
+) -> float:
     """Stream one request per client; the loop's CPU per streamed token, in µs."""
-    target = Target(server.url, str(model))
+    extra = tuple(json.loads(shape.body).items())
+    target = Target(server.url, str(model), api=shape.api, extra=extra)
     before = server.loop_cpu_ns()
     level = await run_level(
         target, prompts, concurrency=concurrency, requests_per_client=1, max_tokens=128
@@ -169,11 +178,12 @@ async def compare(args: argparse.Namespace, model: Path) -> dict[str, list[float
     try:
         for server in servers:
             await wait_healthy(server.url, 120, lambda s=server: s.process.poll() is None)
-            await phase(server, model, prompts, args.concurrency)  # warm-up
+            await phase(server, model, prompts, args.concurrency, args)  # warm-up
         costs: dict[str, list[float]] = {"A": [], "B": []}
         for index in range(args.phases):
             for server in servers if index % 2 == 0 else servers[::-1]:
-                costs[server.name].append(await phase(server, model, prompts, args.concurrency))
+                cost = await phase(server, model, prompts, args.concurrency, args)
+                costs[server.name].append(cost)
         return costs
     finally:
         for server in servers:
@@ -203,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--phases", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--step-ms", type=float, default=16.0)
+    parser.add_argument("--api", choices=["completions", "chat"], default="completions")
+    parser.add_argument("--body", default="{}", help="more fields for every request (JSON)")
     parser.add_argument("--port", type=int, default=8861)
     parser.add_argument("--serve-step-ms", type=float, help=argparse.SUPPRESS)
     parser.add_argument("serve_args", nargs="*", help=argparse.SUPPRESS)

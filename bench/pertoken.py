@@ -27,9 +27,10 @@ Stages:
 - scheduler: the scheduler's synchronous bookkeeping (absorb a step, plan
   the next, decide finishes, fan out to requests) -- mailbox wake-ups of the
   HTTP task included.
-- sampler: ``sample_step`` (on the loop for a plain greedy step, else in a
-  worker thread; both reported, by thread).
-- reducer: ``reduce_step`` (worker thread).
+- sampler: ``sample_step`` (on the loop, in the scheduler's task, for a
+  step of at most ``INLINE_LOGITS`` logits, else in a worker thread; both
+  reported, by thread).
+- reducer: ``reduce_step`` (likewise).
 - detokenizer / stop + parsers + assembler / output actor: the text path
   (``IncrementalDetokenizer``, ``ChoicePipeline.feed`` minus the
   detokenizer, ``RequestOutputs.handle`` minus both: deltas, logprob
@@ -138,7 +139,9 @@ def install() -> None:
     _wrap(selectors.EpollSelector, "select", "epoll")
     _wrap(asyncio.events.Handle, "_run", "coroutine glue (anyio, Hypercorn, async code)")
     _wrap(sampler, "sample_step", "sampler")
-    _wrap(reducer, "reduce_step", "reducer")
+    for module in (reducer, sampler):  # each calls the reducer's core by its own name
+        if hasattr(module, "reduce_step"):
+            _wrap(module, "reduce_step", "reducer")
     _wrap(detokenizer.IncrementalDetokenizer, "feed", "detokenizer")
     _wrap(pipeline.ChoicePipeline, "feed", "stop + parsers + assembler")
     _wrap(output.RequestOutputs, "handle", "output actor (deltas, entries)")

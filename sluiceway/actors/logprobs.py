@@ -9,11 +9,12 @@ array is not kept.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import numpy.typing as npt
 
-from sluiceway.protocol.messages import LogprobParams, TokenLogprob
+from sluiceway.protocol.messages import LogprobParams, SampledStep, TokenLogprob
 
 #: The value reported for a logprob of -inf (a token that cannot be sampled):
 #: JSON has no infinity, and clients parse this as "impossible".
@@ -45,6 +46,9 @@ def log_normaliser(rows: FloatArray) -> npt.NDArray[np.float32]:
 #: Width of the blocks ``top_k`` skims. A selection over the block maxima
 #: narrows a 150k vocabulary to ``k`` blocks in about one pass of ``max``.
 _BLOCK = 128
+#: A row this short is selected from whole: skimming its few blocks costs
+#: more NumPy calls than the one selection over it saves.
+_WHOLE_ROW = 8192
 
 
 def top_k(row: FloatArray, k: int) -> npt.NDArray[np.int64]:
@@ -70,7 +74,7 @@ def _candidates(row: FloatArray, k: int) -> npt.NDArray[np.int64]:
     block holding a top-k value has a maximum at least that large.
     """
     blocks = row.shape[0] // _BLOCK
-    if blocks <= k:
+    if blocks <= k or row.shape[0] <= _WHOLE_ROW:
         return np.arange(row.shape[0], dtype=np.int64)
     maxima = row[: blocks * _BLOCK].reshape(blocks, _BLOCK).max(axis=1)
     threshold = np.partition(maxima, blocks - k)[blocks - k]
@@ -104,6 +108,14 @@ def reduce_rows(
             requested=tuple((int(t), _finite(float(row[t]) - base)) for t in p.token_ids),
         )
     return result
+
+
+def reduce_step(step: SampledStep) -> SampledStep:
+    """A sampled step with its logprobs reduced and its logits released."""
+    source = step.processed if step.processed is not None else step.logits
+    assert source is not None, "only steps that carry logits are reduced"
+    logprobs = reduce_rows(source, step.token_ids, [row.logprobs for row in step.rows])
+    return replace(step, logprobs=tuple(logprobs), logits=None, processed=None)
 
 
 def reduce_targets(logits: FloatArray, targets: Sequence[int], top: int) -> list[TokenLogprob]:

@@ -93,24 +93,39 @@ class ChoiceCore(Protocol):
 
 
 class EntryFactory:
-    """Turns id-level logprobs into entries with text, id and exact bytes."""
+    """Turns id-level logprobs into entries with text, id and exact bytes.
+
+    A token's text and bytes are looked up once per id and request: with
+    top-k logprobs each token brings k + 1 entries, and the alternatives
+    repeat from step to step.
+    """
 
     def __init__(self, table: TokenTable) -> None:
         self._table = table
+        self._tokens: dict[int, tuple[str, tuple[int, ...]]] = {}
+
+    def _token(self, token_id: int) -> tuple[str, tuple[int, ...]]:
+        found = self._tokens.get(token_id)
+        if found is None:
+            table = self._table
+            found = self._tokens[token_id] = (
+                table.display(token_id),
+                tuple(table.bytes_of(token_id)),
+            )
+        return found
 
     def entry(self, token_id: int, logprob: TokenLogprob) -> LogprobEntry:
-        table = self._table
+        token, raw = self._token(token_id)
+        tops = []
+        for t, v in logprob.top:
+            top_token, top_raw = self._token(t)
+            tops.append(TopLogprob(token=top_token, token_id=t, logprob=v, bytes=top_raw))
         return LogprobEntry(
-            token=table.display(token_id),
+            token=token,
             token_id=token_id,
             logprob=logprob.logprob,
-            bytes=tuple(table.bytes_of(token_id)),
-            top_logprobs=tuple(
-                TopLogprob(
-                    token=table.display(t), token_id=t, logprob=v, bytes=tuple(table.bytes_of(t))
-                )
-                for t, v in logprob.top
-            ),
+            bytes=raw,
+            top_logprobs=tuple(tops),
             requested=logprob.requested,
             rank=logprob.rank,
         )

@@ -3,26 +3,18 @@
 A step with no row asking passes straight through at the cost of one channel
 hop; otherwise the reduction runs in a worker thread (on the event loop when
 the logits are few, as the sampler does) and the logits are released with the
-message it sends on.
+message it sends on. Most small steps never come here: the scheduler samples
+and reduces them itself (``sluiceway.actors.sampler.StepSampler``).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from sluiceway.actors.logprobs import reduce_rows
+from sluiceway.actors.logprobs import reduce_step
 from sluiceway.actors.sampler import INLINE_LOGITS
 from sluiceway.protocol.messages import SampledStep
-
-
-def reduce_step(step: SampledStep) -> SampledStep:
-    source = step.processed if step.processed is not None else step.logits
-    assert source is not None, "only steps that carry logits are reduced"
-    logprobs = reduce_rows(source, step.token_ids, [row.logprobs for row in step.rows])
-    return replace(step, logprobs=tuple(logprobs), logits=None, processed=None)
 
 
 async def run(

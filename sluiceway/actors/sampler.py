@@ -8,6 +8,13 @@ Constrained rows need a grammar mask per token. Once a step is sampled, the
 next masks are computed in a worker thread while the step travels back to the
 scheduler and the engine runs the next forward pass; the next step waits for
 them only if they are not ready by then.
+
+A small step never reaches this actor: the scheduler samples (and reduces) it
+itself through :meth:`StepSampler.inline`, on the same sampler state, because
+a round through the sampler and reducer tasks costs more event-loop time than
+the sampling (``bench/pertoken-results.md``). The state is shared safely
+because the scheduler waits for each step it sends here, and ``inline``
+declines while a mask computation is under way in a thread.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from dataclasses import dataclass
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
+from sluiceway.actors.logprobs import reduce_step
 from sluiceway.actors.sampling import Sampler
 from sluiceway.engines.grammar import GrammarEngine
 from sluiceway.protocol.messages import LogitsStep, SampledStep
@@ -60,17 +68,43 @@ INLINE_LOGITS = 1 << 16
 def _is_cheap(step: LogitsStep) -> bool:
     """A plain greedy step is one argmax, and a small unconstrained step a
     few short NumPy calls: cheaper than two thread hops."""
-    if all(row.plain for row in step.rows):
-        return True
+    return all(row.plain for row in step.rows) or _is_small(step)
+
+
+class StepSampler:
+    """The sampler's state and its two ways to a step: inline on the caller's
+    task for a cheap step, or the actor (:func:`run`) for the rest."""
+
+    def __init__(self, config: SamplerConfig, *, reduce: bool) -> None:
+        self.config = config
+        self.sampler = Sampler(config.grammars)
+        #: A reducer is wired after the sampler, so logprobs are asked for.
+        self._reduce = reduce
+        #: A worker thread is computing masks from the sampler's state.
+        self.preparing_masks = False
+
+    def inline(self, step: LogitsStep) -> SampledStep | None:
+        """Sample (and reduce) a step of at most :data:`INLINE_LOGITS` logits
+        with no constrained row here and now; None when the step must go to
+        the actors instead."""
+        if self.preparing_masks or not _is_small(step):
+            return None
+        sampled = sample_step(self.sampler, step, self.config)
+        if self._reduce and (sampled.logits is not None or sampled.processed is not None):
+            return reduce_step(sampled)
+        return sampled
+
+
+def _is_small(step: LogitsStep) -> bool:
     return step.logits.size <= INLINE_LOGITS and all(row.constraint is None for row in step.rows)
 
 
 async def run(
     receive: ObjectReceiveStream[LogitsStep],
     send: ObjectSendStream[SampledStep],
-    config: SamplerConfig,
+    core: StepSampler,
 ) -> None:
-    sampler = Sampler(config.grammars)
+    sampler, config = core.sampler, core.config
     async with receive, send, anyio.create_task_group() as group:
         masks: anyio.Event | None = None
         async for step in receive:
@@ -83,12 +117,14 @@ async def run(
                 sampled = await anyio.to_thread.run_sync(sample_step, sampler, step, config)
             if sampler.masks_due():
                 masks = anyio.Event()
-                group.start_soon(_prepare_masks, sampler, masks)
+                core.preparing_masks = True
+                group.start_soon(_prepare_masks, core, masks)
             await send.send(sampled)
 
 
-async def _prepare_masks(sampler: Sampler, done: anyio.Event) -> None:
+async def _prepare_masks(core: StepSampler, done: anyio.Event) -> None:
     try:
-        await anyio.to_thread.run_sync(sampler.prepare_masks)
+        await anyio.to_thread.run_sync(core.sampler.prepare_masks)
     finally:
+        core.preparing_masks = False
         done.set()

@@ -95,7 +95,7 @@ class Sampler:
             if row.sampling.greedy:
                 token_ids[i] = int(x.argmax())
             else:
-                token_ids[i] = _draw(x, row.sampling, state.rng)
+                token_ids[i] = _draw(x, row.sampling, state.rng, keep=keep_processed)
         self._record(states, token_ids)
         return SampleResult(
             token_ids, processed if keep_processed else None, _advance_guides(states, token_ids)
@@ -220,8 +220,9 @@ def _adjust(x: FloatArray, params: SamplingParams, state: RowState) -> None:
         x[seen] -= params.frequency_penalty * times + params.presence_penalty
 
 
-def _draw(x: FloatArray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """Sample one id from one row of adjusted logits (modified in place)."""
+def _draw(x: FloatArray, params: SamplingParams, rng: np.random.Generator, *, keep: bool) -> int:
+    """Sample one id from one row of adjusted logits (modified in place; with
+    ``keep``, left as the log-distribution sampled from)."""
     x /= np.float32(params.temperature)
     vocab = x.shape[0]
     if 0 < params.top_k < vocab:
@@ -233,10 +234,10 @@ def _draw(x: FloatArray, params: SamplingParams, rng: np.random.Generator) -> in
         probs[probs < params.min_p] = 0.0  # relative to the peak, whose weight is 1
     if params.top_p < 1.0:
         _nucleus(probs, params.top_p)
-    # Keep the processed row a true log-distribution for --logprobs-mode processed.
-    total = probs.sum(dtype=np.float64)
-    with np.errstate(divide="ignore"):
-        x[:] = np.log(probs / total)
+    if keep:  # the processed row as a true log-distribution, for --logprobs-mode processed
+        total = probs.sum(dtype=np.float64)
+        with np.errstate(divide="ignore"):
+            x[:] = np.log(probs / total)
     cumulative = np.cumsum(probs, dtype=np.float64)
     index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
     return min(index, vocab - 1) if probs[min(index, vocab - 1)] > 0 else int(probs.argmax())

@@ -22,7 +22,9 @@ requests.
 The logits of rows whose prompt just completed and of the decoded rows go to
 the sampler as one step; the sampled ids come back (through the logprob
 reducer when it is wired) and are fanned out to each request's output
-channel. Rows that finish, and requests that are cancelled, leave before the
+channel. A small step (``sampler.INLINE_LOGITS``) is sampled and reduced
+right here instead, through the sampler's core: the two actors' round trip
+would cost more than the work. Rows that finish, and requests that are cancelled, leave before the
 next step. Engine state is only touched from that worker thread, one call at
 a time.
 
@@ -258,6 +260,7 @@ class Scheduler:
         thread: EngineThread,
         config: SchedulerConfig,
         handle: SchedulerHandle,
+        sample_inline: Callable[[LogitsStep], SampledStep | None] | None = None,
     ) -> None:
         # An engine in a child process takes steps over its pipe, from the
         # loop; an engine in this process, on its thread.
@@ -269,6 +272,8 @@ class Scheduler:
         self._restartable = engine if isinstance(engine, Restartable) else None
         self._config = config
         self._handle = handle
+        #: Samples a small step on this task (None: send it to the sampler).
+        self._sample_inline = sample_inline
         self._waiting: deque[_Request] = deque()
         self._prefilling: list[_Request] = []
         self._requests: dict[str, _Request] = {}
@@ -694,8 +699,10 @@ class Scheduler:
             rows=tuple(self._row(c) for c in rows.choices),
             logits=rows.logits(),
         )
-        await to_sampler.send(step)
-        sampled = await from_sampler.receive()
+        sampled = self._sample_inline(step) if self._sample_inline is not None else None
+        if sampled is None:
+            await to_sampler.send(step)
+            sampled = await from_sampler.receive()
         if sampled.constraints is not None:
             self._fail_constrained(rows.choices, sampled.constraints)
         self._deliver_samples(

@@ -4,6 +4,9 @@
                                     ^                       |
                                     +--SampledStep-- reducer <+
 
+(a small step is sampled and reduced by the scheduler itself, on the
+sampler's state: ``sluiceway.actors.sampler.StepSampler``).
+
 Per request, the handler runs its own output actor and emitter (see
 ``sluiceway.server.handlers``).
 """
@@ -23,7 +26,7 @@ from sluiceway.actors import reducer, sampler
 from sluiceway.actors.engine_process import EngineSpec, ProcessEngine
 from sluiceway.actors.engine_work import EngineThread
 from sluiceway.actors.prefix_cache import default_budget
-from sluiceway.actors.sampler import SamplerConfig
+from sluiceway.actors.sampler import SamplerConfig, StepSampler
 from sluiceway.actors.scheduler import Scheduler, SchedulerConfig, SchedulerHandle, open_inbox
 from sluiceway.engines.base import Engine
 from sluiceway.engines.default_model import default_model_dir
@@ -171,7 +174,15 @@ async def run_pipeline(
 ) -> None:
     """Run scheduler, sampler and reducer until cancelled."""
     handle, inbox = open_inbox(config)
-    scheduler = Scheduler(model.engine, model.thread, config, handle)
+    sampling = StepSampler(
+        SamplerConfig(
+            forward_logits=options.with_reducer,
+            processed_logprobs=options.processed_logprobs,
+            grammars=model.grammars,
+        ),
+        reduce=options.with_reducer,
+    )
+    scheduler = Scheduler(model.engine, model.thread, config, handle, sample_inline=sampling.inline)
     to_sampler_send, to_sampler_receive = anyio.create_memory_object_stream[LogitsStep](1)
     sampled_send, sampled_receive = anyio.create_memory_object_stream[SampledStep](1)
     try:
@@ -182,16 +193,7 @@ async def run_pipeline(
                 back_to_scheduler = reduced_receive
             else:
                 back_to_scheduler = sampled_receive
-            group.start_soon(
-                sampler.run,
-                to_sampler_receive,
-                sampled_send,
-                SamplerConfig(
-                    forward_logits=options.with_reducer,
-                    processed_logprobs=options.processed_logprobs,
-                    grammars=model.grammars,
-                ),
-            )
+            group.start_soon(sampler.run, to_sampler_receive, sampled_send, sampling)
             group.start_soon(scheduler.run, inbox, to_sampler_send, back_to_scheduler)
             task_status.started(handle)
     finally:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from sluiceway.actors import sampler as sampler_actor
 from sluiceway.actors.guide import GuideState, RowGuide
-from sluiceway.actors.sampler import SamplerConfig, sample_step
+from sluiceway.actors.sampler import SamplerConfig, StepSampler, sample_step
 from sluiceway.actors.sampling import Sampler, _suppress
 from sluiceway.engines.grammar import GrammarEngine, allowed_ids
 from sluiceway.engines.tokenizer import ModelTokenizer
@@ -330,7 +330,10 @@ async def test_the_actor_computes_masks_ahead_and_matches_direct_sampling(
     monkeypatch.setattr(Sampler, "sample", recording)
     async with anyio.create_task_group() as group:
         group.start_soon(
-            sampler_actor.run, to_receive, out_send, SamplerConfig(grammars=kit.grammars)
+            sampler_actor.run,
+            to_receive,
+            out_send,
+            StepSampler(SamplerConfig(grammars=kit.grammars), reduce=False),
         )
         async with to_send, out_receive:
             for i, logits in enumerate(steps):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -83,6 +84,72 @@ def test_text_frames_match_the_models(
     assert framed.startswith(b"data: ")
     assert framed.index(b"\n") == len(framed) - 2  # one line, then the blank line
     assert json.loads(framed[6:]) == json.loads(slow.encode(Deltas(deltas=(delta,)))[6:])
+
+
+#: What a token id stands for (the same id is always the same token).
+_VOCAB = st.dictionaries(
+    st.integers(0, 50),
+    st.tuples(st.text(max_size=4), st.lists(st.integers(0, 255), max_size=4)),
+    min_size=1,
+)
+_LOGPROBS = st.floats(max_value=0.0, allow_nan=False) | st.sampled_from([-9999.0, -1e-7, -0.0])
+
+
+@st.composite
+def _entries(draw: st.DrawFn, vocab: dict[int, tuple[str, list[int]]]) -> tuple[LogprobEntry, ...]:
+    ids = st.sampled_from(sorted(vocab))
+
+    def top(token_id: int) -> TopLogprob:
+        token, raw = vocab[token_id]
+        return TopLogprob(token=token, token_id=token_id, logprob=draw(_LOGPROBS), bytes=tuple(raw))
+
+    entries = []
+    for token_id in draw(st.lists(ids, max_size=3)):
+        token, raw = vocab[token_id]
+        entries.append(
+            LogprobEntry(
+                token=token,
+                token_id=token_id,
+                logprob=draw(_LOGPROBS),
+                bytes=tuple(raw),
+                top_logprobs=tuple(top(t) for t in draw(st.lists(ids, max_size=5))),
+                requested=tuple((t, draw(_LOGPROBS)) for t in draw(st.lists(ids, max_size=2))),
+            )
+        )
+    return tuple(entries)
+
+
+@given(data=st.data(), vocab=_VOCAB, as_ids=st.booleans(), with_ids=st.booleans())
+def test_text_frames_with_logprobs_match_the_models(
+    data: st.DataObject, vocab: dict[int, tuple[str, list[int]]], as_ids: bool, with_ids: bool
+) -> None:
+    """The template's logprobs, written from per-token pieces made once per
+    id, parse to what the pydantic models give, frame after frame."""
+
+    def encoder() -> ChatStreamEncoder:
+        base = config(prompt_ids=(1, 2) if with_ids else None)
+        return ChatStreamEncoder(replace(base, logprobs=True, tokens_as_ids=as_ids))
+
+    fast, slow = encoder(), encoder()
+    slow._text_frame = lambda _: None  # type: ignore[method-assign]
+    for _ in range(data.draw(st.integers(1, 4))):
+        reasoning = data.draw(st.booleans())
+        logprobs = ChoiceLogprobs(
+            content=data.draw(_entries(vocab)),
+            reasoning=data.draw(_entries(vocab)),
+            tool_calls=data.draw(_entries(vocab)),
+        )
+        delta = ChoiceDelta(
+            index=data.draw(st.integers(0, 2)),
+            content=None if reasoning else data.draw(st.text(min_size=1)),
+            reasoning=data.draw(st.text(min_size=1)) if reasoning else None,
+            logprobs=logprobs,
+            token_ids=tuple(data.draw(st.lists(st.integers(0, 99), max_size=3))),
+        )
+        framed = fast.encode(Deltas(deltas=(delta,)))
+        assert framed.startswith(b"data: ")
+        assert framed.index(b"\n") == len(framed) - 2
+        assert json.loads(framed[6:]) == json.loads(slow.encode(Deltas(deltas=(delta,)))[6:])
 
 
 @given(

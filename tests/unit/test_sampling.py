@@ -162,3 +162,20 @@ def test_finished_rows_are_forgotten() -> None:
     assert len(sampler) == 2
     sampler.sample(logits_for(1), [row("a", first=False)])
     assert len(sampler) == 1
+
+
+def test_the_processed_distribution_is_kept_only_when_asked() -> None:
+    """``--logprobs-mode processed``: the row sampled from comes back as a
+    log-distribution over what the filters left; otherwise the sampler need
+    not write it, and returns none."""
+    logits = logits_for(1, seed=3)
+    params = {"temperature": 0.7, "top_k": 3, "seed": 5}
+    kept = Sampler().sample(logits, [row(**params)], keep_processed=True)
+    assert kept.processed is not None
+    processed = kept.processed[0]
+    assert np.isfinite(processed).sum() == 3
+    assert np.logaddexp.reduce(processed) == pytest.approx(0.0, abs=1e-5)
+    assert np.isfinite(processed[int(kept.token_ids[0])])
+    dropped = Sampler().sample(logits, [row(**params)])
+    assert dropped.processed is None
+    assert dropped.token_ids.tolist() == kept.token_ids.tolist()

@@ -32,6 +32,7 @@ from sluiceway.surfaces.openai.chat_wire import (
 from sluiceway.surfaces.openai.encoding import (
     DONE,
     KEEPALIVE,
+    EntryJson,
     entries_wire,
     finish_reason,
     ids_json,
@@ -107,13 +108,17 @@ class ChatStreamEncoder:
         self._config = config
         self._with_ids = config.prompt_token_ids is not None
         self._prompt_logprobs: list[TokenLogprobWire | None] | None = None
-        # The frame of a text-only delta, around its index, text and ids:
-        # most frames of a stream are these, and a template is several times
-        # cheaper than building and dumping the models.
+        # The frame of a text delta, around its index, text, logprobs and
+        # ids: most frames of a stream are these, and a template is several
+        # times cheaper than building and dumping the models.
         bare = self._chunk([self._choice(0, DeltaWire())])
         head, _, tail = bare.partition(b'{"index":0,"delta":{}')
         before, marker, after = tail.partition(b'"token_ids":[')
         self._head, self._tail, self._ids_tail = head + b'{"index":', before + marker, after
+        no_logprobs = b',"logprobs":null'
+        assert self._tail.startswith(no_logprobs), "the template's logprobs follow its delta"
+        self._after_logprobs = self._tail[len(no_logprobs) :]
+        self._entries = EntryJson(config.tokens_as_ids)
 
     def _choice(self, index: int, delta: DeltaWire, ids: tuple[int, ...] = ()) -> ChunkChoiceWire:
         choice = ChunkChoiceWire(index=index, delta=delta, logprobs=None, finish_reason=None)
@@ -193,10 +198,10 @@ class ChatStreamEncoder:
         return self._chunk([choice])
 
     def _text_frame(self, delta: ChoiceDelta) -> bytes | None:
-        """The frame of a delta that carries only text, from the template."""
+        """The frame of a delta that carries only text (and its tokens'
+        logprobs and ids), from the template."""
         if (
-            delta.logprobs is not None
-            or delta.tool_calls
+            delta.tool_calls
             or delta.finish is not None
             or self._prompt_logprobs is not None
             or bool(delta.content) == bool(delta.reasoning)
@@ -208,10 +213,23 @@ class ChatStreamEncoder:
             text = json_string(delta.reasoning)
             names = _reasoning_fields(None, self._config.reasoning_field)
             fields = b",".join(b'"' + name.encode() + b'":' + text for name in names)
-        frame = self._head + str(delta.index).encode() + b',"delta":{' + fields + b"}" + self._tail
+        frame = self._head + str(delta.index).encode() + b',"delta":{' + fields + b"}"
+        if delta.logprobs is None:
+            frame += self._tail
+        else:
+            frame += b',"logprobs":' + self._logprobs_json(delta.logprobs) + self._after_logprobs
         if self._with_ids:
             frame += ids_json(delta.token_ids) + self._ids_tail
         return frame
+
+    def _logprobs_json(self, logprobs: ChoiceLogprobs) -> bytes:
+        """What ``_logprobs_wire(logprobs).to_json()`` gives."""
+        text = b'{"content":' + self._entries.array(logprobs.content) + b',"refusal":null'
+        if logprobs.reasoning:
+            text += b',"reasoning_content":' + self._entries.array(logprobs.reasoning)
+        if logprobs.tool_calls:
+            text += b',"tool_calls":' + self._entries.array(logprobs.tool_calls)
+        return text + b"}"
 
 
 @dataclass(slots=True)

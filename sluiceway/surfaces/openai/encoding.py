@@ -8,6 +8,7 @@ another task and channel hop.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Iterable
 
@@ -19,7 +20,7 @@ from sluiceway.surfaces.openai.wire import (
     TopLogprobWire,
     UsageWire,
 )
-from sluiceway.surfaces.sse import comment
+from sluiceway.surfaces.sse import comment, json_string
 
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = comment("keepalive")
@@ -85,6 +86,59 @@ def entry_wire(entry: LogprobEntry, as_ids: bool) -> TokenLogprobWire:
     if entry.requested:
         wire.token_id_logprobs = {str(t): v for t, v in entry.requested}
     return wire
+
+
+class EntryJson:
+    """Logprob entries as JSON text, the bytes ``entries_wire`` would dump to.
+
+    A streamed token with top-5 logprobs is six entries; building and dumping
+    six pydantic models per token cost more than the rest of its frame
+    (``bench/pertoken-results.md``). What an entry says about its token -- the
+    ``token`` text and the ``bytes`` -- depends only on the id, so those
+    pieces are made once per id and stream (the alternatives repeat) and only
+    the numbers are written per entry.
+    """
+
+    __slots__ = ("_as_ids", "_pieces")
+
+    def __init__(self, as_ids: bool) -> None:
+        self._as_ids = as_ids
+        #: By id: ``{"token":...,"logprob":`` and ``,"bytes":[...]``.
+        self._pieces: dict[int, tuple[bytes, bytes]] = {}
+
+    def _piece(self, token: str, token_id: int, raw: tuple[int, ...]) -> tuple[bytes, bytes]:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            text = json_string(token_text(token, token_id, self._as_ids))
+            piece = (
+                b'{"token":' + text + b',"logprob":',
+                b',"bytes":[' + ",".join(map(str, raw)).encode() + b"]",
+            )
+            self._pieces[token_id] = piece
+        return piece
+
+    def entry(self, entry: LogprobEntry) -> bytes:
+        head, raw = self._piece(entry.token, entry.token_id, entry.bytes)
+        tops = []
+        for top in entry.top_logprobs:
+            top_head, top_raw = self._piece(top.token, top.token_id, top.bytes)
+            tops.append(top_head + _number(top.logprob) + top_raw + b"}")
+        text = head + _number(entry.logprob) + raw + b',"top_logprobs":[' + b",".join(tops) + b"]"
+        if entry.requested:
+            requested = (b'"%d":' % t + _number(v) for t, v in entry.requested)
+            text += b',"token_id_logprobs":{' + b",".join(requested) + b"}"
+        return text + b"}"
+
+    def array(self, entries: Iterable[LogprobEntry]) -> bytes:
+        return b"[" + b",".join(self.entry(entry) for entry in entries) + b"]"
+
+
+def _number(value: float) -> bytes:
+    # repr is the shortest text that reads back as the same double, as
+    # pydantic's serialiser writes it (the exponent's spelling may differ);
+    # like pydantic, a non-finite number is null (the reducer floors them).
+    value = float(value)
+    return repr(value).encode() if math.isfinite(value) else b"null"
 
 
 def entries_wire(entries: Iterable[LogprobEntry], as_ids: bool) -> list[TokenLogprobWire]:
