@@ -1,14 +1,20 @@
 """Structured output's cost in the server: decode throughput with and without
 a constraint, in one run.
 
-    .venv/bin/python bench/structured.py [--engine auto] [--rounds 3] [--tokens 256]
+    .venv/bin/python bench/structured.py [--model default] [--engine auto] [--rounds 3] [--tokens 256]
 
-One server of ours on the serving benchmark's model (``bench/models.py``:
-Qwen3 512x8, 16k vocabulary), streaming ``/v1/completions``, greedy,
+One server of ours on the embedded default model (``--model default``:
+Qwen3 128x4, 1,920 ids, where a step is cheapest and a constraint's fixed
+costs weigh most) or the serving benchmark's (``--model serving``,
+``bench/models.py``: Qwen3 512x8, 16k vocabulary), streaming
+``/v1/completions``, greedy,
 ``ignore_eos``, prompts of 64 tokens. The constraint is
 ``structured_outputs.grammar``: JSON objects of a schema in an array that
-never closes, so every constrained request runs to ``--tokens`` as a free
-one does, and every token is masked. Phases, taking turns for ``--rounds``
+never closes, and every token is masked. The grammar accepts after each
+object, so EOS is allowed there and, once taken, completes it (``ignore_eos``
+does not stop that); constrained requests send ``min_tokens = max_tokens``
+instead, which keeps EOS out wherever the grammar allows anything else, so
+every constrained request runs to ``--tokens`` as a free one does. Phases, taking turns for ``--rounds``
 rounds (the host's drift falls on both sides alike):
 
 - ``c=1``: one free stream; one constrained stream;
@@ -45,6 +51,7 @@ from hostload import Span
 from loadgen import Level, Target, prompts_of_length, run_level, wait_healthy
 from models import serving_model, synthetic_corpus
 
+from sluiceway.engines.default_model import default_model_dir
 from sluiceway.engines.grammar import GrammarEngine, lark_json
 from sluiceway.engines.tokenizer import ModelTokenizer
 from sluiceway.protocol.constraints import Constraint, ConstraintKind
@@ -98,9 +105,14 @@ def per_stream(level: Level | None) -> float:
     return 1.0 / level.time_per_token
 
 
-async def run_phase(
-    phase: Phase, free: Target, constrained: Target, prompts: Iterator[str], tokens: int
-) -> Outcome:
+def constrained_target(base: str, tokens: int) -> Target:
+    """Requests held to :data:`GRAMMAR` that run to ``tokens`` (see the module docstring)."""
+    extra = (("structured_outputs", {"grammar": GRAMMAR}), ("min_tokens", tokens))
+    return Target(base, "bench", ignore_eos=False, extra=extra)
+
+
+async def run_phase(phase: Phase, base: str, prompts: Iterator[str], tokens: int) -> Outcome:
+    free, constrained = Target(base, "bench"), constrained_target(base, tokens)
     span = Span.start()
     runs = []
     for target, count in ((free, phase.free), (constrained, phase.constrained)):
@@ -114,6 +126,9 @@ async def run_phase(
     for level in levels:
         if level.errors:
             raise RuntimeError(f"{phase.name}: {level.first_errors()}")
+        short = [s.tokens for s in level.samples if s.tokens != tokens]
+        if short:
+            raise RuntimeError(f"{phase.name}: requests of {short} tokens, not {tokens}")
     by_kind = iter(levels)
     free_level = next(by_kind) if phase.free else None
     constrained_level = next(by_kind) if phase.constrained else None
@@ -155,19 +170,17 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, list[Outco
     try:
         base = f"http://127.0.0.1:{port}"
         await wait_healthy(base, 600, alive=lambda: server.poll() is None)
-        free = Target(base, "bench")
-        constrained = Target(base, "bench", extra=(("structured_outputs", {"grammar": GRAMMAR}),))
         needed = (args.rounds + 1) * sum(2 * (p.free + p.constrained) for p in PHASES)
         text = synthetic_corpus(seed=1, lines=4000)
         prompts = iter(
             prompts_of_length(str(model / "tokenizer.json"), text, PROMPT_TOKENS, needed)
         )
         warm = Phase("warm-up", 4, 4)
-        await run_phase(warm, free, constrained, prompts, 32)
+        await run_phase(warm, base, prompts, 32)
         results: dict[str, list[Outcome]] = {p.name: [] for p in PHASES}
         for round_ in range(args.rounds):
             for phase in PHASES:
-                outcome = await run_phase(phase, free, constrained, prompts, args.tokens)
+                outcome = await run_phase(phase, base, prompts, args.tokens)
                 results[phase.name].append(outcome)
                 print(
                     f"  round {round_ + 1} {phase.name:17s} free {outcome.free:7.1f} tok/s/stream"
@@ -261,11 +274,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--model", default="default", choices=["default", "serving"])
     parser.add_argument("--engine", default="auto", choices=["auto", "mlx", "transformers"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=256, help="max_tokens of every request")
     args = parser.parse_args()
-    model = serving_model()
+    model = default_model_dir() if args.model == "default" else serving_model()
     print(
         f"model {model}; engine {args.engine}; {args.rounds} rounds of {len(PHASES)} phases, {args.tokens} tokens per request"
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sluiceway.engines.tokenizer import ChatRender
@@ -116,6 +116,14 @@ class ConversationParams:
     tool_choice: str = "tool_choice"
     #: A tool's arguments schema; ``{index}`` is the tool's place in the list.
     tool_parameters: str = "tools[{index}].function.parameters"
+    #: Each offered tool's arguments schema by name, where the tools offered
+    #: are not the request's list (the Responses API's namespaces and hosted
+    #: tools); a tool not in it falls back on ``tool_parameters``.
+    tool_parameter_names: Mapping[str, str] = field(default_factory=dict)
+
+    def tool_param(self, index: int, name: str) -> str:
+        """The field holding the arguments schema of offered tool ``index``, ``name``."""
+        return self.tool_parameter_names.get(name) or self.tool_parameters.format(index=index)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
