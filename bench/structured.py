@@ -27,7 +27,9 @@ rounds (the host's drift falls on both sides alike):
 
 Reported per phase: the streams' decode rate (tokens/s after each stream's
 first token), the median over rounds, each round's constrained ÷ free ratio,
-and the CPU others used on the host meanwhile (a shared host). Then, off the
+the server's CPU per generated token (its free ÷ constrained ratio is the
+throughput ratio of a CPU-bound server, whatever share of a busy host it
+got), and the CPU others used on the host meanwhile (a shared host). Then, off the
 server, the mask's cost per token and row on the same vocabulary (llguidance
 filling the bitmask, the sampler applying it, the matcher advancing;
 ``bench/grammar_mask.py``'s walk), for 1 and 16 rows.
@@ -47,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grammar_mask import walk
-from hostload import Span
+from hostload import Span, tree_ticks
 from loadgen import Level, Target, prompts_of_length, run_level, wait_healthy
 from models import serving_model, synthetic_corpus
 
@@ -96,6 +98,8 @@ class Outcome:
     free: float
     constrained: float
     other_cores: float
+    #: The server's CPU per generated token (ms; all its threads, both kinds of stream).
+    cpu_per_token: float
 
 
 def per_stream(level: Level | None) -> float:
@@ -111,9 +115,12 @@ def constrained_target(base: str, tokens: int) -> Target:
     return Target(base, "bench", ignore_eos=False, extra=extra)
 
 
-async def run_phase(phase: Phase, base: str, prompts: Iterator[str], tokens: int) -> Outcome:
+async def run_phase(
+    phase: Phase, base: str, server: int, prompts: Iterator[str], tokens: int
+) -> Outcome:
     free, constrained = Target(base, "bench"), constrained_target(base, tokens)
     span = Span.start()
+    ticks = tree_ticks(server)
     runs = []
     for target, count in ((free, phase.free), (constrained, phase.constrained)):
         if count:
@@ -123,6 +130,8 @@ async def run_phase(phase: Phase, base: str, prompts: Iterator[str], tokens: int
                 )
             )
     levels = await asyncio.gather(*runs)
+    cpu = (tree_ticks(server) - ticks) / os.sysconf("SC_CLK_TCK")
+    generated = sum(level.tokens for level in levels)
     for level in levels:
         if level.errors:
             raise RuntimeError(f"{phase.name}: {level.first_errors()}")
@@ -132,7 +141,12 @@ async def run_phase(phase: Phase, base: str, prompts: Iterator[str], tokens: int
     by_kind = iter(levels)
     free_level = next(by_kind) if phase.free else None
     constrained_level = next(by_kind) if phase.constrained else None
-    return Outcome(per_stream(free_level), per_stream(constrained_level), span.other_cores())
+    return Outcome(
+        per_stream(free_level),
+        per_stream(constrained_level),
+        span.other_cores(),
+        cpu * 1e3 / generated,
+    )
 
 
 def start_server(model: Path, engine: str, port: int) -> subprocess.Popen[bytes]:
@@ -176,15 +190,16 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, list[Outco
             prompts_of_length(str(model / "tokenizer.json"), text, PROMPT_TOKENS, needed)
         )
         warm = Phase("warm-up", 4, 4)
-        await run_phase(warm, base, prompts, 32)
+        await run_phase(warm, base, server.pid, prompts, 32)
         results: dict[str, list[Outcome]] = {p.name: [] for p in PHASES}
         for round_ in range(args.rounds):
             for phase in PHASES:
-                outcome = await run_phase(phase, base, prompts, args.tokens)
+                outcome = await run_phase(phase, base, server.pid, prompts, args.tokens)
                 results[phase.name].append(outcome)
                 print(
                     f"  round {round_ + 1} {phase.name:17s} free {outcome.free:7.1f} tok/s/stream"
-                    f"  constrained {outcome.constrained:7.1f}  others {outcome.other_cores:.2f} cores",
+                    f"  constrained {outcome.constrained:7.1f}  server CPU"
+                    f" {outcome.cpu_per_token:6.2f} ms/token  others {outcome.other_cores:.2f} cores",
                     flush=True,
                 )
         return results
@@ -211,6 +226,9 @@ def report(results: dict[str, list[Outcome]]) -> None:
         print(
             f"  {name:17s} free {free:7.1f}  constrained {constrained:7.1f}  others ≤ {others:.2f} cores"
         )
+    print("\nserver CPU per generated token (ms, median of rounds):")
+    for name, outcomes in results.items():
+        print(f"  {name:17s} {statistics.median(o.cpu_per_token for o in outcomes):6.2f}")
     print("\nratios (per round, same round):")
     print(
         ratio_line(
@@ -240,6 +258,17 @@ def report(results: dict[str, list[Outcome]]) -> None:
             rates("c=16 free", "free"),
         )
     )
+    # On a shared host the streams' rates measure our share of the cores as
+    # much as our work; the CPU a token costs the server does not depend on
+    # that share, and bounds the rate a CPU-bound server reaches when alone.
+    for level in ("c=1", "c=16"):
+        print(
+            ratio_line(
+                f"{level}: free ÷ constrained server CPU per token",
+                rates(f"{level} free", "cpu_per_token"),
+                rates(f"{level} constrained", "cpu_per_token"),
+            )
+        )
 
 
 def mask_costs(model: Path, tokens: int) -> None:
