@@ -1,14 +1,20 @@
 """Structured output's cost in the server: decode throughput with and without
 a constraint, in one run.
 
-    .venv/bin/python bench/structured.py [--engine auto] [--rounds 3] [--tokens 256]
+    .venv/bin/python bench/structured.py [--model default] [--engine auto] [--rounds 3] [--tokens 256]
 
-One server of ours on the serving benchmark's model (``bench/models.py``:
-Qwen3 512x8, 16k vocabulary), streaming ``/v1/completions``, greedy,
+One server of ours on the embedded default model (``--model default``:
+Qwen3 128x4, 1,920 ids, where a step is cheapest and a constraint's fixed
+costs weigh most) or the serving benchmark's (``--model serving``,
+``bench/models.py``: Qwen3 512x8, 16k vocabulary), streaming
+``/v1/completions``, greedy,
 ``ignore_eos``, prompts of 64 tokens. The constraint is
 ``structured_outputs.grammar``: JSON objects of a schema in an array that
-never closes, so every constrained request runs to ``--tokens`` as a free
-one does, and every token is masked. Phases, taking turns for ``--rounds``
+never closes, and every token is masked. The grammar accepts after each
+object, so EOS is allowed there and, once taken, completes it (``ignore_eos``
+does not stop that); constrained requests send ``min_tokens = max_tokens``
+instead, which keeps EOS out wherever the grammar allows anything else, so
+every constrained request runs to ``--tokens`` as a free one does. Phases, taking turns for ``--rounds``
 rounds (the host's drift falls on both sides alike):
 
 - ``c=1``: one free stream; one constrained stream;
@@ -21,7 +27,9 @@ rounds (the host's drift falls on both sides alike):
 
 Reported per phase: the streams' decode rate (tokens/s after each stream's
 first token), the median over rounds, each round's constrained ÷ free ratio,
-and the CPU others used on the host meanwhile (a shared host). Then, off the
+the server's CPU per generated token (its free ÷ constrained ratio is the
+throughput ratio of a CPU-bound server, whatever share of a busy host it
+got), and the CPU others used on the host meanwhile (a shared host). Then, off the
 server, the mask's cost per token and row on the same vocabulary (llguidance
 filling the bitmask, the sampler applying it, the matcher advancing;
 ``bench/grammar_mask.py``'s walk), for 1 and 16 rows.
@@ -41,10 +49,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grammar_mask import walk
-from hostload import Span
+from hostload import Span, tree_ticks
 from loadgen import Level, Target, prompts_of_length, run_level, wait_healthy
 from models import serving_model, synthetic_corpus
 
+from sluiceway.engines.default_model import default_model_dir
 from sluiceway.engines.grammar import GrammarEngine, lark_json
 from sluiceway.engines.tokenizer import ModelTokenizer
 from sluiceway.protocol.constraints import Constraint, ConstraintKind
@@ -89,6 +98,8 @@ class Outcome:
     free: float
     constrained: float
     other_cores: float
+    #: The server's CPU per generated token (ms; all its threads, both kinds of stream).
+    cpu_per_token: float
 
 
 def per_stream(level: Level | None) -> float:
@@ -98,10 +109,18 @@ def per_stream(level: Level | None) -> float:
     return 1.0 / level.time_per_token
 
 
+def constrained_target(base: str, tokens: int) -> Target:
+    """Requests held to :data:`GRAMMAR` that run to ``tokens`` (see the module docstring)."""
+    extra = (("structured_outputs", {"grammar": GRAMMAR}), ("min_tokens", tokens))
+    return Target(base, "bench", ignore_eos=False, extra=extra)
+
+
 async def run_phase(
-    phase: Phase, free: Target, constrained: Target, prompts: Iterator[str], tokens: int
+    phase: Phase, base: str, server: int, prompts: Iterator[str], tokens: int
 ) -> Outcome:
+    free, constrained = Target(base, "bench"), constrained_target(base, tokens)
     span = Span.start()
+    ticks = tree_ticks(server)
     runs = []
     for target, count in ((free, phase.free), (constrained, phase.constrained)):
         if count:
@@ -111,13 +130,23 @@ async def run_phase(
                 )
             )
     levels = await asyncio.gather(*runs)
+    cpu = (tree_ticks(server) - ticks) / os.sysconf("SC_CLK_TCK")
+    generated = sum(level.tokens for level in levels)
     for level in levels:
         if level.errors:
             raise RuntimeError(f"{phase.name}: {level.first_errors()}")
+        short = [s.tokens for s in level.samples if s.tokens != tokens]
+        if short:
+            raise RuntimeError(f"{phase.name}: requests of {short} tokens, not {tokens}")
     by_kind = iter(levels)
     free_level = next(by_kind) if phase.free else None
     constrained_level = next(by_kind) if phase.constrained else None
-    return Outcome(per_stream(free_level), per_stream(constrained_level), span.other_cores())
+    return Outcome(
+        per_stream(free_level),
+        per_stream(constrained_level),
+        span.other_cores(),
+        cpu * 1e3 / generated,
+    )
 
 
 def start_server(model: Path, engine: str, port: int) -> subprocess.Popen[bytes]:
@@ -155,23 +184,22 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, list[Outco
     try:
         base = f"http://127.0.0.1:{port}"
         await wait_healthy(base, 600, alive=lambda: server.poll() is None)
-        free = Target(base, "bench")
-        constrained = Target(base, "bench", extra=(("structured_outputs", {"grammar": GRAMMAR}),))
         needed = (args.rounds + 1) * sum(2 * (p.free + p.constrained) for p in PHASES)
         text = synthetic_corpus(seed=1, lines=4000)
         prompts = iter(
             prompts_of_length(str(model / "tokenizer.json"), text, PROMPT_TOKENS, needed)
         )
         warm = Phase("warm-up", 4, 4)
-        await run_phase(warm, free, constrained, prompts, 32)
+        await run_phase(warm, base, server.pid, prompts, 32)
         results: dict[str, list[Outcome]] = {p.name: [] for p in PHASES}
         for round_ in range(args.rounds):
             for phase in PHASES:
-                outcome = await run_phase(phase, free, constrained, prompts, args.tokens)
+                outcome = await run_phase(phase, base, server.pid, prompts, args.tokens)
                 results[phase.name].append(outcome)
                 print(
                     f"  round {round_ + 1} {phase.name:17s} free {outcome.free:7.1f} tok/s/stream"
-                    f"  constrained {outcome.constrained:7.1f}  others {outcome.other_cores:.2f} cores",
+                    f"  constrained {outcome.constrained:7.1f}  server CPU"
+                    f" {outcome.cpu_per_token:6.2f} ms/token  others {outcome.other_cores:.2f} cores",
                     flush=True,
                 )
         return results
@@ -198,6 +226,9 @@ def report(results: dict[str, list[Outcome]]) -> None:
         print(
             f"  {name:17s} free {free:7.1f}  constrained {constrained:7.1f}  others ≤ {others:.2f} cores"
         )
+    print("\nserver CPU per generated token (ms, median of rounds):")
+    for name, outcomes in results.items():
+        print(f"  {name:17s} {statistics.median(o.cpu_per_token for o in outcomes):6.2f}")
     print("\nratios (per round, same round):")
     print(
         ratio_line(
@@ -227,6 +258,17 @@ def report(results: dict[str, list[Outcome]]) -> None:
             rates("c=16 free", "free"),
         )
     )
+    # On a shared host the streams' rates measure our share of the cores as
+    # much as our work; the CPU a token costs the server does not depend on
+    # that share, and bounds the rate a CPU-bound server reaches when alone.
+    for level in ("c=1", "c=16"):
+        print(
+            ratio_line(
+                f"{level}: free ÷ constrained server CPU per token",
+                rates(f"{level} free", "cpu_per_token"),
+                rates(f"{level} constrained", "cpu_per_token"),
+            )
+        )
 
 
 def mask_costs(model: Path, tokens: int) -> None:
@@ -261,11 +303,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--model", default="default", choices=["default", "serving"])
     parser.add_argument("--engine", default="auto", choices=["auto", "mlx", "transformers"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=256, help="max_tokens of every request")
     args = parser.parse_args()
-    model = serving_model()
+    model = default_model_dir() if args.model == "default" else serving_model()
     print(
         f"model {model}; engine {args.engine}; {args.rounds} rounds of {len(PHASES)} phases, {args.tokens} tokens per request"
     )

@@ -66,9 +66,15 @@ INLINE_LOGITS = 1 << 16
 
 
 def _is_cheap(step: LogitsStep) -> bool:
-    """A plain greedy step is one argmax, and a small unconstrained step a
-    few short NumPy calls: cheaper than two thread hops."""
-    return all(row.plain for row in step.rows) or _is_small(step)
+    """A plain greedy step is one argmax, and a small step a few short NumPy
+    calls: cheaper than two thread hops. A constrained row's mask was
+    computed ahead, off the loop, except for its first token: llguidance
+    would compute that one here, so such a step goes to a thread."""
+    if all(row.plain for row in step.rows):
+        return True
+    return step.logits.size <= INLINE_LOGITS and not any(
+        row.first and row.constraint is not None for row in step.rows
+    )
 
 
 class StepSampler:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sluiceway.engines.tokenizer import ChatRender, ModelTokenizer
@@ -95,11 +95,19 @@ class ConversationParams:
     #: Where each neutral message came from, for a surface whose items do
     #: not map one to one onto messages (``input[4]``); empty: ``messages[i]``.
     locations: tuple[str, ...] = ()
+    #: Each offered tool's arguments schema by name, where the tools offered
+    #: are not the request's list (the Responses API's namespaces and hosted
+    #: tools); a tool not in it falls back on ``tool_parameters``.
+    tool_parameter_names: Mapping[str, str] = field(default_factory=dict)
 
-    def message_field(self, index: int, field: str | None) -> str:
+    def tool_param(self, index: int, name: str) -> str:
+        """The field holding the arguments schema of offered tool ``index``, ``name``."""
+        return self.tool_parameter_names.get(name) or self.tool_parameters.format(index=index)
+
+    def message_field(self, index: int, name: str | None) -> str:
         """A field of one message (``messages[3].prompt_token_ids``)."""
         where = self.locations[index] if self.locations else f"{self.messages}[{index}]"
-        return where if field is None else f"{where}.{field}"
+        return where if name is None else f"{where}.{name}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

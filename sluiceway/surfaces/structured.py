@@ -208,13 +208,13 @@ def calls_by_grammar(
     mode = _mode(conversation)
     if not conversation.tools or mode is ToolChoiceMode.NONE or serving.parsers.tools is None:
         return False
-    strict = [index for index, tool in enumerate(conversation.tools) if tool.strict]
+    strict = [(index, tool.name) for index, tool in enumerate(conversation.tools) if tool.strict]
     if serving.constraints.grammars is None:
         if strict:
             raise InvalidConstraint(
                 "this server has no grammar engine for its model's tokenizer, "
                 "so a strict tool's arguments cannot be held to its schema",
-                param=params.tool_parameters.format(index=strict[0]),
+                param=params.tool_param(*strict[0]),
             )
         return False  # a required call falls back to the forced prompt prefix
     return bool(strict) or output is not None or mode is not ToolChoiceMode.AUTO
@@ -233,7 +233,7 @@ async def _call_format(
     for index, tool in enumerate(conversation.tools):
         if mode is ToolChoiceMode.NAMED and tool.name != named:
             continue
-        where = params.tool_parameters.format(index=index)
+        where = params.tool_param(index, tool.name)
         tools.append(await _callable(serving, tool, where))
     grammars = serving.constraints.grammars
     assert grammars is not None  # see calls_by_grammar

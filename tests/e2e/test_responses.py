@@ -82,6 +82,13 @@ MULTI_AGENT = {
     ],
 }
 WEB_SEARCH = {"type": "web_search", "external_web_access": False}
+#: A strict tool whose schema the grammar engine cannot compile.
+BAD_STRICT = {
+    "type": "function",
+    "name": "bad",
+    "strict": True,
+    "parameters": {"type": "object", "properties": {"x": {"type": "string", "format": "nope"}}},
+}
 
 
 def body(
@@ -401,7 +408,8 @@ def refused(server: RunningServer, method: str, path: str, **kwargs: Any) -> dic
         ({"tools": [WEB_SEARCH], "tool_choice": {"type": "web_search"}}, "tool_choice", "hosted"),
         ({"tools": [{"type": "frobnicate"}]}, "tools[0]", "'frobnicate'"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "frob"}}}}, "text.format", "invalid json_schema"),
-        ({"text": {"format": {"type": "json_object"}}, "tools": [WEATHER]}, "text.format", "tools"),
+        ({"tools": [BAD_STRICT]}, "tools[0].parameters", "nope"),
+        ({"tools": [WEB_SEARCH, {**MULTI_AGENT, "tools": [EXEC, BAD_STRICT]}]}, "tools[1].tools[1].parameters", "nope"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "stateless"),
         ({"max_output_tokens": 0}, "max_output_tokens", "greater than"),
         ({"seed": 1}, "seed", "Unrecognized"),
@@ -516,3 +524,83 @@ def test_reasoning_effort_switches_thinking_as_chat_does(
         if value
     }
     assert ("reasoning" in texts) is thinking
+
+
+# --- tools through the grammar, as on chat ------------------------------------------------
+
+STRICT_WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "strict": True,
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+}
+GET_TIME = {
+    "type": "function",
+    "name": "get_time",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}},
+}
+
+
+def calls(output: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    return [(i["name"], json.loads(i["arguments"])) for i in output if i["type"] == "function_call"]
+
+
+def test_a_strict_tools_arguments_are_held_to_its_schema(
+    scripted_server: RunningServer, scripted: ScriptedModel
+) -> None:
+    """The script's unit "kelvin" is outside the strict tool's enum: the
+    grammar holds the call to the first unit it allows, whole and streamed."""
+    payload = body(scripted_server, scripted, "strict_call", tools=[STRICT_WEATHER, GET_TIME])
+    whole = post(scripted_server, payload)
+    assert calls(whole["output"]) == [("get_weather", {"city": "Paris", "unit": "c"})]
+    assert item_text(whole["output"][0]) == "Let me check."
+    events = stream(scripted_server, payload)
+    assert without_ids(events[-1]["response"]["output"]) == without_ids(whole["output"])
+    loose = {**STRICT_WEATHER, "strict": False}
+    free = post(scripted_server, {**payload, "tools": [loose, GET_TIME]})
+    assert calls(free["output"]) == [("get_weather", {"city": "Paris", "unit": "kelvin"})]
+
+
+def test_a_required_call_goes_through_the_grammar_not_the_prompt(
+    scripted_server: RunningServer, scripted: ScriptedModel
+) -> None:
+    payload = body(scripted_server, scripted, "required", tools=[STRICT_WEATHER, GET_TIME])
+    forced = post(scripted_server, {**payload, "tool_choice": "required"})
+    offered = post(scripted_server, {**payload, "tool_choice": "auto"})
+    assert forced["usage"]["input_tokens"] == offered["usage"]["input_tokens"]
+    assert calls(forced["output"]) == [("get_time", {"tz": "UTC"})]
+
+
+def test_text_format_beside_tools_gives_the_format_or_calls(server: RunningServer) -> None:
+    """The random-weight default model, sampled three times: each reply is a
+    message that matches the schema or calls whose arguments match the
+    strict tool's."""
+    tool = {**STRICT_WEATHER, "parameters": FORECAST}  # bounded: a random model ends it
+    for _ in range(3):
+        payload = {
+            "model": server.model,
+            "input": "Describe the weather.",
+            "text": {"format": FORECAST_FORMAT},
+            "tools": [tool],
+            # One call at most: parallel ones of a random model may fill max_output_tokens.
+            "parallel_tool_calls": False,
+            "max_output_tokens": 400,
+            "temperature": 1.0,
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+        whole = post(server, payload)
+        assert whole["status"] == "completed", whole
+        items = whole["output"]
+        if items[-1]["type"] == "message":
+            jsonschema.validate(json.loads(item_text(items[-1])), FORECAST)
+        else:
+            found = calls(items)
+            assert found
+            for name, arguments in found:
+                assert name == "get_weather"
+                jsonschema.validate(arguments, FORECAST)

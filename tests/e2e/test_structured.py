@@ -135,6 +135,62 @@ def test_replies_validate_against_hypothesis_schemas(
     assert streamed["content"] == choice["message"]["content"]
 
 
+#: Regexes that Python's ``re`` reads as llguidance (Rust's regex crate) does.
+PATTERNS = (
+    r"[0-9]{1,4}",
+    r"(yes|no|maybe)!?",
+    r"[a-f]{2}-[0-9]{3}",
+    r"[a-z0-9_]{1,5}@[a-z]{1,5}\.(com|org)",
+    r"[A-Z][a-zé]{0,5}( [0-9]{2})?",
+)
+#: Choices of any printable text, multi-byte characters among them.
+OPTIONS = st.lists(
+    st.text(st.characters(exclude_categories=("Cs", "Cc")), min_size=1, max_size=8),
+    min_size=1,
+    max_size=5,
+    unique=True,
+)
+
+
+def completion_texts(server: RunningServer, body: dict[str, Any]) -> tuple[str, str]:
+    """The whole reply's text and the streamed one's, put back together."""
+    reply = post(server, "completions", body).json()
+    (choice,) = reply["choices"]
+    assert choice["finish_reason"] == "stop", choice
+    streamed = post(server, "completions", {**body, "stream": True})
+    assert streamed.status_code == 200, streamed.text
+    pieces = [
+        c["text"]
+        for line in streamed.text.splitlines()
+        if line.startswith("data: {")
+        for c in json.loads(line[6:])["choices"]
+    ]
+    return choice["text"], "".join(pieces)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pattern=st.sampled_from(PATTERNS), options=OPTIONS, seed=st.integers(0, 2**16))
+def test_replies_match_hypothesis_regexes_and_choices(
+    server: RunningServer, pattern: str, options: list[str], seed: int
+) -> None:
+    """Whole and streamed alike (seeded: the same text), on every engine."""
+    for field in ({"regex": pattern}, {"choice": options}):
+        body = {
+            "model": server.model,
+            "prompt": "Answer:",
+            "max_tokens": 60,
+            "temperature": 1.0,
+            "seed": seed,
+            "structured_outputs": field,
+        }
+        whole, streamed = completion_texts(server, body)
+        assert streamed == whole
+        if "regex" in field:
+            assert re.fullmatch(pattern, whole), whole
+        else:
+            assert whole in options
+
+
 def test_json_object_is_an_object(server: RunningServer) -> None:
     fields = {"response_format": {"type": "json_object"}, "chat_template_kwargs": NO_THINKING}
     reply = chat(server, temperature=0.8, seed=11, n=2, **fields)

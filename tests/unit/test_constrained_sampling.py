@@ -341,3 +341,34 @@ async def test_the_actor_computes_masks_ahead_and_matches_direct_sampling(
                 got.append(list((await out_receive.receive()).token_ids))
     assert got == expected
     assert due_at_sampling == [False] * len(steps)
+
+
+@pytest.mark.anyio
+async def test_a_small_constrained_step_is_sampled_on_the_loop_after_its_first(
+    kit: Kit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its mask is ready (computed ahead in a thread), so applying it is a
+    few short NumPy calls; the first step, whose mask llguidance computes
+    while sampling, is sampled in a thread."""
+    threaded: list[str] = []
+    run_sync = anyio.to_thread.run_sync
+
+    async def recording(function: Any, *args: Any, **kwargs: Any) -> Any:
+        threaded.append(getattr(function, "__name__", ""))
+        return await run_sync(function, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", recording)
+    rng = np.random.default_rng(3)
+    to_send, to_receive = anyio.create_memory_object_stream[LogitsStep](1)
+    out_send, out_receive = anyio.create_memory_object_stream[SampledStep](1)
+    config = SamplerConfig(grammars=kit.grammars)
+    async with anyio.create_task_group() as group:
+        group.start_soon(sampler_actor.run, to_receive, out_send, config)
+        async with to_send, out_receive:
+            for i in range(4):
+                logits = rng.normal(size=(1, VOCAB)).astype(np.float32)
+                rows = (row("a", first=i == 0, temperature=0.0),)
+                await to_send.send(LogitsStep(step=i, rows=rows, logits=logits))
+                await out_receive.receive()
+    assert threaded.count("sample_step") == 1
+    assert threaded.count("prepare_masks") == 4

@@ -19,7 +19,7 @@ from sluiceway.surfaces.conversation import (
     ToolChoiceMode,
     TurnIds,
 )
-from sluiceway.surfaces.responses.text_format import format_constraint, format_echo
+from sluiceway.surfaces.responses.text_format import format_echo, output_format
 from sluiceway.surfaces.responses.tools import ToolTable, tool_table
 from sluiceway.surfaces.responses.translate import (
     check_settings,
@@ -275,25 +275,30 @@ def test_text_format_constraint(
     text_format: dict[str, Any] | None, kind: ConstraintKind | None
 ) -> None:
     parsed = request(text={"format": text_format} if text_format else None)
-    conversation, _, _ = conversation_of(parsed, tool_table([]))
-    constraint = format_constraint(parsed, conversation)
-    assert (constraint.kind if constraint else None) is kind
+    output = output_format(parsed)
+    assert (output.constraint.kind if output else None) is kind
+    if output is not None:
+        assert output.param == "text.format"
     if kind is ConstraintKind.JSON_SCHEMA:
-        assert constraint is not None
-        assert json.loads(constraint.text) == {"type": "object"}
+        assert output is not None
+        assert json.loads(output.constraint.text) == {"type": "object"}
     assert format_echo(parsed) == (text_format or {"type": "text"})
 
 
-def test_text_format_with_callable_tools_is_refused() -> None:
-    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
-    parsed = request(text={"format": SCHEMA_FORMAT}, tools=tools)
-    conversation, _, _ = conversation_of(parsed, tool_table(parsed.tools or []))
-    with pytest.raises(InvalidRequest) as caught:
-        format_constraint(parsed, conversation)
-    assert caught.value.param == "text.format"
-    quiet = request(text={"format": SCHEMA_FORMAT}, tools=tools, tool_choice="none")
-    conversation, _, _ = conversation_of(quiet, tool_table(quiet.tools or []))
-    assert format_constraint(quiet, conversation) is not None
+def test_each_function_tool_names_where_its_schema_sits() -> None:
+    """Errors about a strict tool's schema name its place in the request,
+    however hosted tools and namespaces shift the tools offered."""
+    function = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    namespace = {"type": "namespace", "name": "ns", "tools": [function, {**function, "name": "g"}]}
+    custom = {"type": "custom", "name": "c"}
+    parsed = request(tools=[{"type": "web_search"}, namespace, custom, function])
+    table = tool_table(parsed.tools or [])
+    assert {name: ref.parameters for name, ref in table.refs.items()} == {
+        "ns__f": "tools[1].tools[0].parameters",
+        "ns__g": "tools[1].tools[1].parameters",
+        "c": None,
+        "f": "tools[3].parameters",
+    }
 
 
 def test_a_json_schema_format_needs_its_schema() -> None:

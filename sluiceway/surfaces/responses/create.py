@@ -5,28 +5,23 @@ stored-response routes, which a stateless server answers with 404."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
-
-import anyio
 
 from sluiceway.actors.output import OutputConfig
 from sluiceway.parsers.registry import build_pipeline
 from sluiceway.protocol.errors import NotFound
 from sluiceway.protocol.messages import GenerationRequest
-from sluiceway.surfaces import validation
+from sluiceway.surfaces import structured, validation
 from sluiceway.surfaces.base import Call, Job, Serving, send_whole
-from sluiceway.surfaces.conversation import StopOptions, render_conversation
+from sluiceway.surfaces.conversation import StopOptions
 from sluiceway.surfaces.responses.encoder import (
     ReplyConfig,
     ResponsesAccumulator,
     ResponsesStreamEncoder,
 )
 from sluiceway.surfaces.responses.items import new_id
-from sluiceway.surfaces.responses.text_format import (
-    format_constraint,
-    format_echo,
-    reply_constraint,
-)
+from sluiceway.surfaces.responses.text_format import format_echo, output_format
 from sluiceway.surfaces.responses.tools import tool_table
 from sluiceway.surfaces.responses.translate import (
     STATELESS,
@@ -87,12 +82,12 @@ async def create(serving: Serving, call: Call) -> None:
     request = validation.parse_request(ResponsesRequest, payload)
     _check(serving, request)
     conversation, tools, params = conversation_of(request, tool_table(request.tools or []))
-    constraint = format_constraint(request, conversation)
-    prompt = await anyio.to_thread.run_sync(
-        render_conversation, serving, conversation, StopOptions(), params
+    # A strict tool's schema that does not compile is named where the request holds it.
+    where = {name: ref.parameters for name, ref in tools.refs.items() if ref.parameters}
+    params = replace(params, tool_parameter_names=where)
+    prompt = await structured.constrained_prompt(
+        serving, conversation, StopOptions(), output_format(request), params
     )
-    if constraint is not None:
-        constraint = await reply_constraint(serving, constraint, prompt.options)
     logprobs = validation.logprob_params(
         top=(request.top_logprobs or 0) if request.wants_logprobs else None,
         token_ids=None,
@@ -114,7 +109,7 @@ async def create(serving: Serving, call: Call) -> None:
             vocab_size=serving.vocab_size,
             names=_LIMIT_NAMES,
         ),
-        constraint=constraint,
+        constraint=prompt.constraint,
     )
     table, text_path = serving.tokenizer.table, prompt.options
     output = OutputConfig(

@@ -61,6 +61,8 @@ class ToolRef:
     name: str
     namespace: str | None = None
     custom: bool = False
+    #: Where the request holds its arguments schema (errors name it).
+    parameters: str | None = None
 
 
 def qualified(namespace: str | None, name: str) -> str:
@@ -115,8 +117,9 @@ def tool_table(tools: list[Tool]) -> ToolTable:
             continue
         members = tool.tools if isinstance(tool, NamespaceTool) else [tool]
         namespace = tool if isinstance(tool, NamespaceTool) else None
-        for member in members:
-            spec, ref = _offered(member, namespace)
+        for place, member in enumerate(members):
+            where = f"tools[{index}]" if namespace is None else f"tools[{index}].tools[{place}]"
+            spec, ref = _offered(member, namespace, where)
             if spec.name in refs:
                 raise InvalidRequest(
                     f"tools[{index}]: the tool name {spec.name!r} is used twice",
@@ -128,10 +131,12 @@ def tool_table(tools: list[Tool]) -> ToolTable:
 
 
 def _offered(
-    tool: FunctionTool | CustomTool, namespace: NamespaceTool | None
+    tool: FunctionTool | CustomTool, namespace: NamespaceTool | None, where: str
 ) -> tuple[ToolSpec, ToolRef]:
     space = None if namespace is None else namespace.name
-    ref = ToolRef(name=tool.name, namespace=space, custom=isinstance(tool, CustomTool))
+    custom = isinstance(tool, CustomTool)
+    parameters = None if custom else f"{where}.parameters"
+    ref = ToolRef(name=tool.name, namespace=space, custom=custom, parameters=parameters)
     description = tool.description
     if namespace is not None and namespace.description:
         description = f"{namespace.description}\n\n{description or ''}".rstrip()
