@@ -361,9 +361,9 @@ async def test_a_small_constrained_step_is_sampled_on_the_loop_after_its_first(
     rng = np.random.default_rng(3)
     to_send, to_receive = anyio.create_memory_object_stream[LogitsStep](1)
     out_send, out_receive = anyio.create_memory_object_stream[SampledStep](1)
-    config = SamplerConfig(grammars=kit.grammars)
+    core = StepSampler(SamplerConfig(grammars=kit.grammars), reduce=False)
     async with anyio.create_task_group() as group:
-        group.start_soon(sampler_actor.run, to_receive, out_send, config)
+        group.start_soon(sampler_actor.run, to_receive, out_send, core)
         async with to_send, out_receive:
             for i in range(4):
                 logits = rng.normal(size=(1, VOCAB)).astype(np.float32)
