@@ -208,32 +208,8 @@ def test_cors_answers_an_allowed_origin_only(ops_server: RunningServer) -> None:
 #: A stream that writes ~1.5 kB a step: the server's send buffers fill in
 #: about a hundred steps, then the request's mailbox in 64 more.
 HEAVY = {"logprobs": True, "top_logprobs": 20, "ignore_eos": True}
-
-
-def test_a_stalled_reader_pauses_alone_then_is_cut_off(ops_server: RunningServer) -> None:
-    before = rss_kib(ops_server.process.pid)
-    stalled = SilentReader(ops_server, chat(ops_server, max_tokens=7000, **HEAVY))
-    try:
-        wait_for(lambda: load(ops_server)["paused_requests"] == 1, 120, "the request to pause")
-        # Paused: its row stays out of the batch while another stream runs
-        # (which ends well), and memory stays put.
-        beside = Stream(ops_server, chat(ops_server, max_tokens=10, ignore_eos=True)).start()
-        seen = [load(ops_server)]
-        while not beside.done.wait(0.05):
-            seen.append(load(ops_server))
-        assert beside.ended_well
-        assert all(s["paused_requests"] == 1 and s["running_sequences"] <= 1 for s in seen), seen
-        assert rss_kib(ops_server.process.pid) - before < 30_000
-        # Unread for the stall timeout, it is cut off and its slot freed.
-        wait_for(lambda: load(ops_server)["running_requests"] == 0, STALL + 10, "the cut-off")
-        assert load(ops_server)["paused_requests"] == 0
-    finally:
-        stalled.close()
-    # The write's watchdog (which also closes the connection) or the
-    # scheduler's pause timer, whichever comes first; each alone frees it.
-    assert re.search(
-        r"a client stopped reading|stalled: its client stopped reading", ops_server.log()
-    )
+#: Tokens of the stream that pauses and resumes: more than it takes to pause.
+RESUMED = 300
 
 
 def dechunk(raw: bytes) -> bytes:
@@ -260,19 +236,46 @@ def texts_of(sse: bytes) -> dict[int, str]:
     return texts
 
 
-def test_a_paused_stream_resumes_where_it_left_off(ops_server: RunningServer) -> None:
-    """Pausing frees the row's KV cache; resuming rebuilds it from the
-    prompt and the tokens so far: the greedy text is the same as unpaused."""
-    body = chat(ops_server, max_tokens=300, **HEAVY)
-    whole = post(ops_server, body, timeout=120)
-    expected = whole.json()["choices"][0]["message"]["content"]
-    reader = SilentReader(ops_server, body)
+def test_a_stalled_reader_pauses_alone_and_resumes_where_it_left_off(
+    ops_server: RunningServer,
+) -> None:
+    """A stalled reader's request leaves the batch (its KV cache freed) while
+    others run; once read, it is rebuilt from the prompt and the tokens so
+    far, and its greedy text is the same as unpaused."""
+    before = rss_kib(ops_server.process.pid)
+    reader = SilentReader(ops_server, chat(ops_server, max_tokens=RESUMED, **HEAVY))
     try:
         wait_for(lambda: load(ops_server)["paused_requests"] == 1, 120, "the request to pause")
+        # Its row stays out of the batch while another stream runs (which
+        # ends well), and memory stays put.
+        beside = Stream(ops_server, chat(ops_server, max_tokens=10, ignore_eos=True)).start()
+        seen = [load(ops_server)]
+        while not beside.done.wait(0.05):
+            seen.append(load(ops_server))
+        assert beside.ended_well
+        assert all(s["paused_requests"] == 1 and s["running_sequences"] <= 1 for s in seen), seen
+        assert rss_kib(ops_server.process.pid) - before < 30_000
         got = texts_of(dechunk(reader.read_all(120)))
     finally:
         reader.close()
+    unpaused = chat(ops_server, max_tokens=RESUMED, ignore_eos=True)
+    expected = post(ops_server, unpaused, timeout=120).json()["choices"][0]["message"]["content"]
     assert got == {0: expected}
+
+
+def test_a_stalled_reader_is_cut_off_after_the_stall_timeout(ops_server: RunningServer) -> None:
+    stalled = SilentReader(ops_server, chat(ops_server, max_tokens=7000, **HEAVY))
+    try:
+        wait_for(lambda: load(ops_server)["paused_requests"] == 1, 120, "the request to pause")
+        wait_for(lambda: load(ops_server)["running_requests"] == 0, STALL + 10, "the cut-off")
+        assert load(ops_server)["paused_requests"] == 0
+    finally:
+        stalled.close()
+    # The write's watchdog (which also closes the connection) or the
+    # scheduler's pause timer, whichever comes first; each alone frees it.
+    assert re.search(
+        r"a client stopped reading|stalled: its client stopped reading", ops_server.log()
+    )
 
 
 def test_a_request_past_its_deadline_ends_with_the_surfaces_error(
