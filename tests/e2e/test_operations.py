@@ -14,8 +14,10 @@ from typing import Any
 
 import httpx
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
 
 from tests.e2e.harness import RunningServer, serving, start_server
 from tests.e2e.ops import SilentReader, Stream, chat, load, rss_kib, wait_for
@@ -104,10 +106,19 @@ def test_malformed_bodies_are_400s(ops_server: RunningServer, body: bytes) -> No
     assert reply.json()["error"]["type"] == "invalid_request_error"
 
 
+# Empty containers are leaves: an extension that may draw no child at all
+# trips hypothesis's "can't actually recurse" check (an error here).
 JSON = st.recursive(
-    st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=50),
+    st.none()
+    | st.booleans()
+    | st.floats()
+    | st.integers()
+    | st.text(max_size=50)
+    | st.just([])
+    | st.just({}),
     lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+        st.lists(children, min_size=1, max_size=4)
+        | st.dictionaries(st.text(max_size=10), children, min_size=1, max_size=4)
     ),
     max_leaves=30,
 )
@@ -307,3 +318,58 @@ def test_openapi_describes_every_surface_route(ops_server: RunningServer) -> Non
     assert "text/event-stream" in chat_op["responses"]["200"]["content"]
     for path in ("/v1/completions", "/v1/models", "/v1/models/{model}", "/health", "/metrics"):
         assert path in spec["paths"], path
+
+
+# --- schemathesis: every route of /openapi.json, fuzzed -----------------------
+
+#: The length fields of the generating routes, and where a missing one means
+#: "the whole context" (slow, not faulty) rather than a small default.
+LENGTHS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+OPEN_ENDED = {"/v1/chat/completions": "max_completion_tokens", "/v1/responses": "max_output_tokens"}
+MOST_TOKENS = 4
+
+
+def bounded(body: object) -> None:
+    """Keep every valid request short: an absent, null or large length
+    becomes MOST_TOKENS (a wrong type or a negative stays, for the 4xx)."""
+    if isinstance(body, dict):
+        for key, value in body.items():
+            if key in LENGTHS and (value is None or (type(value) is int and value > MOST_TOKENS)):
+                body[key] = MOST_TOKENS
+            else:
+                bounded(value)
+    elif isinstance(body, list):
+        for item in body:
+            bounded(item)
+
+
+@pytest.mark.parametrize(
+    "mode", [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE], ids=str
+)
+def test_openapi_fuzzing_never_gets_a_5xx(
+    ops_server: RunningServer, mode: schemathesis.GenerationMode
+) -> None:
+    """Requests drawn from /openapi.json's own schemas, valid ones and
+    invalid ones, over every route: none gets a 5xx or hangs."""
+    schema = schemathesis.openapi.from_url(ops_server.base_url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) > 20
+
+    def call(case: schemathesis.Case) -> None:
+        if isinstance(case.body, dict):
+            bounded(case.body)
+            if (length := OPEN_ENDED.get(case.path)) is not None:
+                case.body.setdefault(length, MOST_TOKENS)
+        reply = case.call(headers={"authorization": f"Bearer {KEY}"}, timeout=60)
+        assert reply.status_code < 500, (case.method, case.path, case.body, reply.text[:500])
+
+    # A few examples of each route (one strategy over all of them could skip some).
+    for operation in operations:
+        fuzz = settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))(
+            given(case=operation.as_strategy(mode))(call)
+        )
+        try:
+            fuzz()
+        except Unsatisfiable:
+            # A route with no parameters and no body has no invalid request.
+            assert mode is schemathesis.GenerationMode.NEGATIVE, operation.label
