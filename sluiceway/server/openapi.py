@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
@@ -33,27 +33,36 @@ OWN: Mapping[str, tuple[str, str]] = {
 }
 
 
-def _models(operations: list[Operation]) -> dict[str, Any]:
-    """Every model's schema, under components, by name."""
-    pairs: list[tuple[type[BaseModel], Any]] = []
-    for operation in operations:
-        if operation.request is not None:
-            pairs.append((operation.request, "validation"))
-        for model in (operation.response, operation.event, operation.error):
-            if model is not None:
-                pairs.append((model, "serialization"))
-    if not pairs:
-        return {}
-    _, schemas = models_json_schema(list(dict.fromkeys(pairs)), ref_template=REF)
+#: A model with the way it is used: "validation" (a request) or "serialization".
+Keyed = tuple[type[BaseModel], Literal["validation", "serialization"]]
+
+
+def _keys(operation: Operation) -> list[Keyed]:
+    keys: list[Keyed] = []
+    if operation.request is not None:
+        keys.append((operation.request, "validation"))
+    for model in (operation.response, operation.event, operation.error):
+        if model is not None:
+            keys.append((model, "serialization"))
+    return keys
+
+
+def _models(operations: list[Operation]) -> tuple[dict[str, Any], dict[Keyed, Any]]:
+    """Every model's schema, under components by name, and each model's
+    reference. Pydantic names them: two surfaces' same-named models (each
+    has an ``ErrorBody``) get names of their own."""
+    keys = list(dict.fromkeys(key for operation in operations for key in _keys(operation)))
+    if not keys:
+        return {}, {}
+    refs, schemas = models_json_schema(keys, ref_template=REF)
     defs: dict[str, Any] = schemas.get("$defs", {})
-    return defs
+    return defs, {key: refs[key] for key in keys}
 
 
-def _ref(model: type[BaseModel]) -> dict[str, str]:
-    return {"$ref": REF.format(model=model.__name__)}
+def _operation(operation: Operation, path: str, refs: Mapping[Keyed, Any]) -> dict[str, Any]:
+    def _ref(model: type[BaseModel], mode: Literal["validation", "serialization"]) -> Any:
+        return refs[(model, mode)]
 
-
-def _operation(operation: Operation, path: str) -> dict[str, Any]:
     body: dict[str, Any] = {"summary": operation.summary}
     parameters = [
         {"name": part[1:-1], "in": "path", "required": True, "schema": {"type": "string"}}
@@ -65,20 +74,20 @@ def _operation(operation: Operation, path: str) -> dict[str, Any]:
     if operation.request is not None:
         body["requestBody"] = {
             "required": True,
-            "content": {"application/json": {"schema": _ref(operation.request)}},
+            "content": {"application/json": {"schema": _ref(operation.request, "validation")}},
         }
     content: dict[str, Any] = {}
     if operation.response is not None:
-        content["application/json"] = {"schema": _ref(operation.response)}
+        content["application/json"] = {"schema": _ref(operation.response, "serialization")}
     if operation.event is not None:
         # Each ``data:`` line of the stream is one such object (or ``[DONE]``).
         content["text/event-stream"] = {
             "schema": {"type": "string"},
-            "x-event-schema": _ref(operation.event),
+            "x-event-schema": _ref(operation.event, "serialization"),
         }
     responses: dict[str, Any] = {"200": {"description": "Success", "content": content}}
     if operation.error is not None:
-        error = {"application/json": {"schema": _ref(operation.error)}}
+        error = {"application/json": {"schema": _ref(operation.error, "serialization")}}
         responses["4XX"] = {"description": "The client's error", "content": error}
         responses["5XX"] = {"description": "The server's error", "content": error}
     body["responses"] = responses
@@ -112,20 +121,23 @@ def _surface_operations(surface: Surface) -> Mapping[str, Mapping[str, Operation
 
 def document(speaks: tuple[Surface, ...]) -> bytes:
     """The OpenAPI document of the server speaking these surfaces."""
+    routes = [
+        (surface.name, path, method, operation)
+        for surface in speaks
+        for path, methods in _surface_operations(surface).items()
+        for method, operation in methods.items()
+    ]
+    schemas, refs = _models([operation for *_, operation in routes])
     paths = _own_paths()
-    described: list[Operation] = []
-    for surface in speaks:
-        for path, methods in _surface_operations(surface).items():
-            entry = paths.setdefault(path, {})
-            for method, operation in methods.items():
-                entry[method.lower()] = _operation(operation, path) | {"tags": [surface.name]}
-                described.append(operation)
+    for name, path, method, operation in routes:
+        entry = paths.setdefault(path, {})
+        entry[method.lower()] = _operation(operation, path, refs) | {"tags": [name]}
     spec = {
         "openapi": "3.1.0",
         "info": {"title": "sluiceway", "version": __version__},
         "paths": paths,
         "components": {
-            "schemas": _models(described),
+            "schemas": schemas,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

@@ -119,6 +119,12 @@ class Stream:
         return last["error"]["message"] if "error" in last else None
 
 
+#: The segment size the silent reader asks for, an Ethernet link's. On
+#: loopback (64 KiB segments) the kernel sizes the server's send buffer at
+#: 4 MB, which a slow host took minutes to fill; behind this one it is ~70 kB.
+ETHERNET_MSS = 1460
+
+
 class SilentReader:
     """Opens a streamed request over a socket with a tiny receive window and
     never reads the reply: the server's writes soon wait on the connection."""
@@ -127,6 +133,7 @@ class SilentReader:
         host, port = server.base_url.removeprefix("http://").split(":")
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, ETHERNET_MSS)
         self.sock.connect((host, int(port)))
         payload = json.dumps({**body, "stream": True}).encode()
         auth = "".join(f"{k}: {v}\r\n" for k, v in server.auth.items())

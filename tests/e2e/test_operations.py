@@ -14,8 +14,10 @@ from typing import Any
 
 import httpx
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
 
 from tests.e2e.harness import RunningServer, serving, start_server
 from tests.e2e.ops import SilentReader, Stream, chat, load, rss_kib, wait_for
@@ -24,7 +26,10 @@ pytestmark = pytest.mark.e2e
 
 KEY = "ops-key"
 ORIGIN = "https://app.example"
-STALL = 3.0
+#: Long enough that a stalled reader's request pauses (its mailbox fills,
+#: 64 steps after its writes start to wait) before its writes time out, on a
+#: loaded host too.
+STALL = 20.0
 DEADLINE = 3.0
 
 
@@ -56,13 +61,13 @@ def ops_server(
     assert "Traceback" not in server.log()
 
 
-def post(server: RunningServer, body: Any, **headers: str) -> httpx.Response:
+def post(server: RunningServer, body: Any, timeout: float = 30, **headers: str) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(
         server.api_url + "/chat/completions",
         content=content,
         headers={"content-type": "application/json", **server.auth, **headers},
-        timeout=30,
+        timeout=timeout,
     )
 
 
@@ -101,10 +106,19 @@ def test_malformed_bodies_are_400s(ops_server: RunningServer, body: bytes) -> No
     assert reply.json()["error"]["type"] == "invalid_request_error"
 
 
+# Empty containers are leaves: an extension that may draw no child at all
+# trips hypothesis's "can't actually recurse" check (an error here).
 JSON = st.recursive(
-    st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=50),
+    st.none()
+    | st.booleans()
+    | st.floats()
+    | st.integers()
+    | st.text(max_size=50)
+    | st.just([])
+    | st.just({}),
     lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+        st.lists(children, min_size=1, max_size=4)
+        | st.dictionaries(st.text(max_size=10), children, min_size=1, max_size=4)
     ),
     max_leaves=30,
 )
@@ -113,12 +127,6 @@ FIELDS = st.sampled_from(
 )
 
 
-# Known open defect (issue F): on a loaded 2-core host some random bodies got
-# no answer within the client's 30 s; not yet found whether the server hangs
-# on one of them or only runs slowly. Reported, not hidden: non-strict.
-@pytest.mark.xfail(
-    reason="some random bodies time out the client (under investigation)", strict=False
-)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     fields=st.dictionaries(FIELDS, JSON, max_size=5),
@@ -128,13 +136,10 @@ FIELDS = st.sampled_from(
 def test_random_bodies_never_get_a_5xx(
     ops_server: RunningServer, fields: dict[str, Any], raw: bytes, as_raw: bool
 ) -> None:
-    base = chat(ops_server, max_tokens=2)
-    # A valid request for many tokens is not a fault, only slow: keep any
-    # integer length small (wrong types and negatives stay as drawn).
-    for name, most in (("max_tokens", 4), ("n", 2)):
-        value = fields.get(name)
-        if type(value) is int and value > most:
-            fields[name] = most
+    # max_completion_tokens, which no drawn field overrides, bounds every
+    # valid request: a drawn "max_tokens": null asks for the whole context
+    # (8k tokens), which is valid and only slow; it timed this test out.
+    base = {**chat(ops_server, max_tokens=2), "max_completion_tokens": 4}
     body = raw if as_raw else json.dumps({**base, **fields}, allow_nan=True).encode()
     reply = post(ops_server, body)
     assert reply.status_code < 500, (body[:300], reply.text)
@@ -159,7 +164,7 @@ def test_a_request_id_is_taken_or_minted_and_logged_without_secrets(
     line = next(line for line in log.splitlines() if "trace-42" in line)
     assert '"POST /v1/chat/completions" 200 prompt_tokens=' in line
     assert "completion_tokens=3" in line
-    assert "ttft=0." in line
+    assert re.search(r" ttft=\d+\.\d{3} ", line)
     assert secret_prompt not in log
     assert KEY not in log
 
@@ -211,39 +216,11 @@ def test_cors_answers_an_allowed_origin_only(ops_server: RunningServer) -> None:
     assert "access-control-allow-origin" not in other.headers
 
 
-def pace(server: RunningServer, tokens: int = 150) -> float:
-    """Seconds per token of one greedy stream."""
-    started = time.monotonic()
-    stream = Stream(server, chat(server, max_tokens=tokens, ignore_eos=True)).start().wait(60)
-    assert stream.ended_well
-    return (time.monotonic() - started) / tokens
-
-
-#: A reply big enough to fill the kernel's socket buffers (up to 4 MB on
-#: loopback) in a few hundred steps: the server's writes wait only then.
-FLOOD = {"n": 8, "logprobs": True, "top_logprobs": 20, "ignore_eos": True}
-
-
-@pytest.mark.xfail(
-    reason="timing-sensitive: the stall deadline was missed on a loaded host (issue F)",
-    strict=False,
-)
-def test_a_stalled_reader_pauses_alone_then_is_cut_off(ops_server: RunningServer) -> None:
-    alone = pace(ops_server)
-    before = rss_kib(ops_server.process.pid)
-    stalled = SilentReader(ops_server, chat(ops_server, max_tokens=7000, **FLOOD))
-    try:
-        wait_for(lambda: load(ops_server)["paused_requests"] == 1, 60, "the request to pause")
-        # Paused: the other streams run as fast as alone, and memory stays put.
-        beside = pace(ops_server)
-        assert beside < alone * 1.5 + 0.002, (beside, alone)
-        assert rss_kib(ops_server.process.pid) - before < 30_000
-        # After the stall timeout it is gone, its slot free.
-        wait_for(lambda: load(ops_server)["running_requests"] == 0, STALL + 5, "the cut-off")
-        assert load(ops_server)["paused_requests"] == 0
-    finally:
-        stalled.close()
-    assert "stalled: its client stopped reading" in ops_server.log()
+#: A stream that writes ~1.5 kB a step: the server's send buffers fill in
+#: about a hundred steps, then the request's mailbox in 64 more.
+HEAVY = {"logprobs": True, "top_logprobs": 20, "ignore_eos": True}
+#: Tokens of the stream that pauses and resumes: more than it takes to pause.
+RESUMED = 300
 
 
 def dechunk(raw: bytes) -> bytes:
@@ -270,18 +247,46 @@ def texts_of(sse: bytes) -> dict[int, str]:
     return texts
 
 
-def test_a_paused_stream_resumes_where_it_left_off(ops_server: RunningServer) -> None:
-    """Pausing frees the row's KV cache; resuming rebuilds it from the
-    prompt and the tokens so far: the greedy text is the same as unpaused."""
-    body = chat(ops_server, max_tokens=700, **FLOOD)
-    expected = post(ops_server, {**body, "n": 1}).json()["choices"][0]["message"]["content"]
-    reader = SilentReader(ops_server, body)
+def test_a_stalled_reader_pauses_alone_and_resumes_where_it_left_off(
+    ops_server: RunningServer,
+) -> None:
+    """A stalled reader's request leaves the batch (its KV cache freed) while
+    others run; once read, it is rebuilt from the prompt and the tokens so
+    far, and its greedy text is the same as unpaused."""
+    before = rss_kib(ops_server.process.pid)
+    reader = SilentReader(ops_server, chat(ops_server, max_tokens=RESUMED, **HEAVY))
     try:
-        wait_for(lambda: load(ops_server)["paused_requests"] == 1, 60, "the request to pause")
-        got = texts_of(dechunk(reader.read_all(60)))
+        wait_for(lambda: load(ops_server)["paused_requests"] == 1, 120, "the request to pause")
+        # Its row stays out of the batch while another stream runs (which
+        # ends well), and memory stays put.
+        beside = Stream(ops_server, chat(ops_server, max_tokens=10, ignore_eos=True)).start()
+        seen = [load(ops_server)]
+        while not beside.done.wait(0.05):
+            seen.append(load(ops_server))
+        assert beside.ended_well
+        assert all(s["paused_requests"] == 1 and s["running_sequences"] <= 1 for s in seen), seen
+        assert rss_kib(ops_server.process.pid) - before < 30_000
+        got = texts_of(dechunk(reader.read_all(120)))
     finally:
         reader.close()
-    assert got == dict.fromkeys(range(8), expected)
+    unpaused = chat(ops_server, max_tokens=RESUMED, ignore_eos=True)
+    expected = post(ops_server, unpaused, timeout=120).json()["choices"][0]["message"]["content"]
+    assert got == {0: expected}
+
+
+def test_a_stalled_reader_is_cut_off_after_the_stall_timeout(ops_server: RunningServer) -> None:
+    stalled = SilentReader(ops_server, chat(ops_server, max_tokens=7000, **HEAVY))
+    try:
+        wait_for(lambda: load(ops_server)["paused_requests"] == 1, 120, "the request to pause")
+        wait_for(lambda: load(ops_server)["running_requests"] == 0, STALL + 10, "the cut-off")
+        assert load(ops_server)["paused_requests"] == 0
+    finally:
+        stalled.close()
+    # The write's watchdog (which also closes the connection) or the
+    # scheduler's pause timer, whichever comes first; each alone frees it.
+    assert re.search(
+        r"a client stopped reading|stalled: its client stopped reading", ops_server.log()
+    )
 
 
 def test_a_request_past_its_deadline_ends_with_the_surfaces_error(
@@ -313,3 +318,58 @@ def test_openapi_describes_every_surface_route(ops_server: RunningServer) -> Non
     assert "text/event-stream" in chat_op["responses"]["200"]["content"]
     for path in ("/v1/completions", "/v1/models", "/v1/models/{model}", "/health", "/metrics"):
         assert path in spec["paths"], path
+
+
+# --- schemathesis: every route of /openapi.json, fuzzed -----------------------
+
+#: The length fields of the generating routes, and where a missing one means
+#: "the whole context" (slow, not faulty) rather than a small default.
+LENGTHS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+OPEN_ENDED = {"/v1/chat/completions": "max_completion_tokens", "/v1/responses": "max_output_tokens"}
+MOST_TOKENS = 4
+
+
+def bounded(body: object) -> None:
+    """Keep every valid request short: an absent, null or large length
+    becomes MOST_TOKENS (a wrong type or a negative stays, for the 4xx)."""
+    if isinstance(body, dict):
+        for key, value in body.items():
+            if key in LENGTHS and (value is None or (type(value) is int and value > MOST_TOKENS)):
+                body[key] = MOST_TOKENS
+            else:
+                bounded(value)
+    elif isinstance(body, list):
+        for item in body:
+            bounded(item)
+
+
+@pytest.mark.parametrize(
+    "mode", [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE], ids=str
+)
+def test_openapi_fuzzing_never_gets_a_5xx(
+    ops_server: RunningServer, mode: schemathesis.GenerationMode
+) -> None:
+    """Requests drawn from /openapi.json's own schemas, valid ones and
+    invalid ones, over every route: none gets a 5xx or hangs."""
+    schema = schemathesis.openapi.from_url(ops_server.base_url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) > 20
+
+    def call(case: schemathesis.Case) -> None:
+        if isinstance(case.body, dict):
+            bounded(case.body)
+            if (length := OPEN_ENDED.get(case.path)) is not None:
+                case.body.setdefault(length, MOST_TOKENS)
+        reply = case.call(headers={"authorization": f"Bearer {KEY}"}, timeout=60)
+        assert reply.status_code < 500, (case.method, case.path, case.body, reply.text[:500])
+
+    # A few examples of each route (one strategy over all of them could skip some).
+    for operation in operations:
+        fuzz = settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))(
+            given(case=operation.as_strategy(mode))(call)
+        )
+        try:
+            fuzz()
+        except Unsatisfiable:
+            # A route with no parameters and no body has no invalid request.
+            assert mode is schemathesis.GenerationMode.NEGATIVE, operation.label

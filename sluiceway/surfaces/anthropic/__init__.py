@@ -18,20 +18,52 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pydantic import RootModel
+
 from sluiceway.protocol.errors import ApiError
 from sluiceway.surfaces.anthropic import messages, models
 from sluiceway.surfaces.anthropic.errors import render_error
+from sluiceway.surfaces.anthropic.wire import (
+    ContentBlockDeltaEvent,
+    ContentBlockStartEvent,
+    ContentBlockStopEvent,
+    CountTokensRequest,
+    ErrorBody,
+    MessageDeltaEvent,
+    MessagesRequest,
+    MessageStartEvent,
+    MessageStopEvent,
+    MessageWire,
+    PingEvent,
+    TokenCount,
+)
 from sluiceway.surfaces.base import (
     Call,
     ErrorResponse,
     Fallback,
     Headers,
+    Operation,
     RouteSpec,
     Serving,
     WhenHeaders,
 )
 
 __all__ = ["AnthropicSurface"]
+
+
+class MessageStreamEvent(
+    RootModel[
+        MessageStartEvent
+        | ContentBlockStartEvent
+        | ContentBlockDeltaEvent
+        | ContentBlockStopEvent
+        | MessageDeltaEvent
+        | MessageStopEvent
+        | PingEvent
+        | ErrorBody
+    ]
+):
+    """Any event of a ``/v1/messages`` stream (for ``/openapi.json``)."""
 
 
 async def probe(serving: Serving, call: Call) -> None:
@@ -55,6 +87,30 @@ class AnthropicSurface:
                 "GET": WhenHeaders(handler=models.model, test=models.speaks_anthropic)
             },
             "/": {"GET": Fallback(handler=probe, public=True)},
+        }
+
+    def operations(self) -> Mapping[str, Mapping[str, Operation]]:
+        # /v1/models answers Anthropic's shape only to Anthropic's headers;
+        # an OpenAPI path has one operation per method, and there it is OpenAI's.
+        return {
+            "/v1/messages": {
+                "POST": Operation(
+                    summary="Create a message",
+                    request=MessagesRequest,
+                    response=MessageWire,
+                    event=MessageStreamEvent,
+                    error=ErrorBody,
+                )
+            },
+            "/v1/messages/count_tokens": {
+                "POST": Operation(
+                    summary="Count a message's input tokens",
+                    request=CountTokensRequest,
+                    response=TokenCount,
+                    error=ErrorBody,
+                )
+            },
+            "/": {"GET": Operation(summary="The server is there (Claude Code probes it)")},
         }
 
     def render_error(self, error: ApiError) -> ErrorResponse:

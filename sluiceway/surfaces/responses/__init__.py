@@ -17,12 +17,51 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pydantic import RootModel
+
 from sluiceway.protocol.errors import ApiError
-from sluiceway.surfaces.base import ErrorResponse, Headers, SurfaceHandler, bearer_token
+from sluiceway.surfaces.base import (
+    ErrorResponse,
+    Headers,
+    Operation,
+    SurfaceHandler,
+    bearer_token,
+)
 from sluiceway.surfaces.responses.create import create, stored
-from sluiceway.surfaces.responses.errors import render_error
+from sluiceway.surfaces.responses.errors import ErrorBody, render_error
+from sluiceway.surfaces.responses.reply_wire import (
+    ArgumentsDoneEvent,
+    CallDeltaEvent,
+    CustomInputDoneEvent,
+    LifecycleEvent,
+    OutputItemEvent,
+    PartEvent,
+    ResponseWire,
+    TextDeltaEvent,
+    TextDoneEvent,
+)
+from sluiceway.surfaces.responses.wire import ResponsesRequest
 
 __all__ = ["ResponsesSurface"]
+
+
+class ResponseStreamEvent(
+    RootModel[
+        LifecycleEvent
+        | OutputItemEvent
+        | PartEvent
+        | TextDeltaEvent
+        | TextDoneEvent
+        | CallDeltaEvent
+        | ArgumentsDoneEvent
+        | CustomInputDoneEvent
+    ]
+):
+    """Any event of a ``/v1/responses`` stream (for ``/openapi.json``)."""
+
+
+#: Nothing is stored: these routes answer 404 in the surface's error shape.
+_STORED = "(stateless: always 404)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +74,28 @@ class ResponsesSurface:
             "/v1/responses/{response_id}": {"GET": stored, "DELETE": stored},
             "/v1/responses/{response_id}/input_items": {"GET": stored},
             "/v1/responses/{response_id}/cancel": {"POST": stored},
+        }
+
+    def operations(self) -> Mapping[str, Mapping[str, Operation]]:
+        def missing(summary: str) -> Operation:
+            return Operation(summary=f"{summary} {_STORED}", error=ErrorBody)
+
+        return {
+            "/v1/responses": {
+                "POST": Operation(
+                    summary="Create a response",
+                    request=ResponsesRequest,
+                    response=ResponseWire,
+                    event=ResponseStreamEvent,
+                    error=ErrorBody,
+                )
+            },
+            "/v1/responses/{response_id}": {
+                "GET": missing("Retrieve a response"),
+                "DELETE": missing("Delete a response"),
+            },
+            "/v1/responses/{response_id}/input_items": {"GET": missing("List input items")},
+            "/v1/responses/{response_id}/cancel": {"POST": missing("Cancel a response")},
         }
 
     def render_error(self, error: ApiError) -> ErrorResponse:
