@@ -251,7 +251,23 @@ def _client(burst: Burst, context: int, deadline: float, index: int, tally: Tall
         connection.close()
 
 
-WORDS = "the quick brown fox jumps over a lazy dog while rain falls on quiet streets".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "rain",
+    "falls",
+    "on",
+    "quiet",
+    "streets",
+]
 
 
 def _prompt(rng: random.Random) -> str:
