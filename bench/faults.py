@@ -184,6 +184,11 @@ class Tally:
     #: Bad requests refused in the surface's error shape, per kind.
     refused: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
+    #: Good requests the client gave up on after ``request_timeout`` (on a
+    #: host too busy to serve them in time), per surface.
+    timed_out: Counter[str] = field(default_factory=Counter)
+    #: Good requests refused with a 429 in the surface's shape (the queue was full).
+    shed: Counter[str] = field(default_factory=Counter)
     wall: float = 0.0
 
     @property
@@ -196,6 +201,8 @@ class Tally:
         self.completed.update(other.completed)
         self.refused.update(other.refused)
         self.problems.extend(other.problems)
+        self.timed_out.update(other.timed_out)
+        self.shed.update(other.shed)
 
 
 def run_burst(burst: Burst) -> Tally:
@@ -302,6 +309,9 @@ def _send_good(
     tally.sent[f"good {surface.name}"] += 1
     try:
         answer = _post(burst, connection, surface.path, _payload(burst, surface, rng))
+    except TimeoutError:
+        tally.timed_out[surface.name] += 1
+        return
     except (OSError, EOFError, HttpError) as error:
         tally.problems.append(f"{surface.name}: {type(error).__name__}: {error}")
         return
@@ -310,6 +320,9 @@ def _send_good(
         return
     status, body = answer
     tally.statuses[status] += 1
+    if status == 429 and _shaped(surface, body):
+        tally.shed[surface.name] += 1
+        return
     problem = stream_problem(surface, body) if status == 200 else f"HTTP {status}"
     if problem is None:
         tally.completed[surface.name] += 1

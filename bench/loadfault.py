@@ -65,7 +65,7 @@ def start(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[bytes],
     command = [
         *(sys.executable, "-m", "sluiceway", "serve", "--engine", args.engine),
         *("--port", str(port), "--served-model-name", "bench", "--log-level", "warning"),
-        "--engine-process" if args.engine_process else "--no-engine-process",
+        *([] if args.engine_process is None else [engine_process_flag(args.engine_process)]),
         *(["--model", args.model] if args.model else []),
         *args.server_args,
     ]
@@ -83,6 +83,10 @@ def start(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[bytes],
             pass
         time.sleep(0.25)
     raise TimeoutError("the server did not start")
+
+
+def engine_process_flag(on: bool) -> str:
+    return "--engine-process" if on else "--no-engine-process"
 
 
 class PeakRss:
@@ -124,10 +128,11 @@ def burst_of(args: argparse.Namespace, base_url: str, seconds: float, seed: int)
         stalled=args.stalled,
         max_tokens=args.max_tokens,
         seed=seed,
+        request_timeout=args.request_timeout,
     )
 
 
-def report_burst(tally: Tally, idle: float) -> list[str]:
+def report_burst(tally: Tally, idle: float, timeout: float) -> list[str]:
     good = sum(n for kind, n in tally.sent.items() if kind.startswith("good"))
     bad = sum(n for kind, n in tally.sent.items() if kind.startswith("bad"))
     hung_up = sum(n for kind, n in tally.sent.items() if kind.startswith("disconnect"))
@@ -141,6 +146,9 @@ def report_burst(tally: Tally, idle: float) -> list[str]:
         f"- bad requests refused in their surface's error shape: "
         f"{sum(tally.refused.values())} of {bad} ({dict(sorted(tally.refused.items()))})",
         f"- running and waiting gauges at 0: {idle:.2f} s after the last client",
+        f"- good requests the clients gave up on after {timeout:.0f} s: "
+        f"{sum(tally.timed_out.values())} ({dict(sorted(tally.timed_out.items()))})",
+        f"- good requests refused with a 429 (queue full): {sum(tally.shed.values())}",
     ]
     lines += [f"  - problem: {problem}" for problem in tally.problems[:10]]
     return lines
@@ -168,7 +176,7 @@ def measure(args: argparse.Namespace, pid: int, base_url: str) -> int:
     memory = Memory(before=rss_mib(pid))
     print(f"warm-up burst: {args.clients} clients, {args.warmup_seconds:.0f} s", flush=True)
     warm, warm_idle = one_burst(args, base_url, args.warmup_seconds, seed=1)
-    print("\n".join(report_burst(warm, warm_idle)), flush=True)
+    print("\n".join(report_burst(warm, warm_idle, args.request_timeout)), flush=True)
     time.sleep(args.settle)
     warmed = rss_mib(pid)
     print(f"measured burst: {args.clients} clients, {args.seconds:.0f} s", flush=True)
@@ -178,7 +186,7 @@ def measure(args: argparse.Namespace, pid: int, base_url: str) -> int:
     cores = idle_cores(pid)
     time.sleep(max(0.0, args.settle - 15.0))
     memory = Memory(memory.before, warmed, peak.peak, after_burst, rss_mib(pid))
-    lines = report_burst(tally, idle)
+    lines = report_burst(tally, idle, args.request_timeout)
     lines.append(f"- server CPU 10 s after: {cores:.3f} cores")
     lines += memory_lines(memory)
     failures = checks(tally, cores, memory)
@@ -220,13 +228,23 @@ def checks(tally: Tally, cores: float, memory: Memory) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=["transformers", "mlx"], default="transformers")
-    parser.add_argument("--engine-process", action="store_true", help="engine in a child process")
+    parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        help="the engine in a child process, or not (default: the server's choice)",
+    )
     parser.add_argument("--model", help="a model directory (default: the embedded model)")
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--seconds", type=float, default=30.0, help="the measured burst")
     parser.add_argument("--warmup-seconds", type=float, default=15.0)
     parser.add_argument("--stalled", type=int, default=4, help="stalled readers per burst")
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=32, help="most tokens a request asks for")
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a client waits for a whole reply before giving up",
+    )
     parser.add_argument(
         "--settle", type=float, default=20.0, help="idle seconds before RSS counts as settled"
     )
