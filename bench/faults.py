@@ -184,8 +184,8 @@ class Tally:
     #: Bad requests refused in the surface's error shape, per kind.
     refused: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
-    #: Good requests the client gave up on after ``request_timeout`` (on a
-    #: host too busy to serve them in time), per surface.
+    #: Requests the client gave up on after ``request_timeout`` (on a host
+    #: too busy to serve them in time), per surface (and kind, if bad).
     timed_out: Counter[str] = field(default_factory=Counter)
     #: Good requests refused with a 429 in the surface's shape (the queue was full).
     shed: Counter[str] = field(default_factory=Counter)
@@ -303,23 +303,33 @@ def _post(
     return None
 
 
+def _answer(
+    burst: Burst, connection: Connection, path: str, payload: bytes, label: str, tally: Tally
+) -> tuple[int, bytes] | None:
+    """One request's status and body, counted; None (noted) when it got none."""
+    try:
+        answer = _post(burst, connection, path, payload)
+    except TimeoutError:
+        tally.timed_out[label] += 1
+        return None
+    except (OSError, EOFError, HttpError) as error:
+        tally.problems.append(f"{label}: {type(error).__name__}: {error}")
+        return None
+    if answer is None:
+        tally.problems.append(f"{label}: no reply")
+        return None
+    tally.statuses[answer[0]] += 1
+    return answer
+
+
 def _send_good(
     burst: Burst, connection: Connection, surface: Surface, rng: random.Random, tally: Tally
 ) -> None:
     tally.sent[f"good {surface.name}"] += 1
-    try:
-        answer = _post(burst, connection, surface.path, _payload(burst, surface, rng))
-    except TimeoutError:
-        tally.timed_out[surface.name] += 1
-        return
-    except (OSError, EOFError, HttpError) as error:
-        tally.problems.append(f"{surface.name}: {type(error).__name__}: {error}")
-        return
-    if answer is None:
-        tally.problems.append(f"{surface.name}: no reply")
+    payload = _payload(burst, surface, rng)
+    if (answer := _answer(burst, connection, surface.path, payload, surface.name, tally)) is None:
         return
     status, body = answer
-    tally.statuses[status] += 1
     if status == 429 and _shaped(surface, body):
         tally.shed[surface.name] += 1
         return
@@ -352,20 +362,14 @@ def _send_bad(
 ) -> None:
     tally.sent[f"bad {kind}"] += 1
     payload = _bad_bodies(burst.model, surface, context)[kind]
-    try:
-        answer = _post(burst, connection, surface.path, payload)
-    except (OSError, EOFError, HttpError) as error:
-        tally.problems.append(f"{surface.name} {kind}: {type(error).__name__}: {error}")
-        return
-    if answer is None:
-        tally.problems.append(f"{surface.name} {kind}: no reply")
+    label = f"{surface.name} {kind}"
+    if (answer := _answer(burst, connection, surface.path, payload, label, tally)) is None:
         return
     status, body = answer
-    tally.statuses[status] += 1
     if not 400 <= status < 500:
-        tally.problems.append(f"{surface.name} {kind}: HTTP {status}, not a 4xx: {body[:200]!r}")
+        tally.problems.append(f"{label}: HTTP {status}, not a 4xx: {body[:200]!r}")
     elif not _shaped(surface, body):
-        tally.problems.append(f"{surface.name} {kind}: {status} not in its shape: {body[:200]!r}")
+        tally.problems.append(f"{label}: {status} not in its shape: {body[:200]!r}")
     else:
         tally.refused[kind] += 1
 
@@ -450,13 +454,15 @@ class StalledReader:
 # --- the server's state, from outside ------------------------------------------------------
 
 
-def gauges(base_url: str) -> dict[str, float]:
-    """The running and waiting gauges from ``/metrics``."""
+def gauges(
+    base_url: str, names: tuple[str, ...] = ("num_requests_running", "num_requests_waiting")
+) -> dict[str, float]:
+    """Gauges from ``/metrics`` by name without their prefix (NaN: absent)."""
     text = httpx.get(base_url + "/metrics", timeout=10).text
     found = {}
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-        match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
-        found[name.split(":")[1]] = float(match.group(1)) if match else float("nan")
+    for name in names:
+        match = re.search(rf"^\w+:{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
+        found[name] = float(match.group(1)) if match else float("nan")
     return found
 
 

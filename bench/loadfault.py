@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from faults import Burst, Tally, rss_mib, run_burst, seconds_to_idle
+from faults import Burst, Tally, gauges, rss_mib, run_burst, seconds_to_idle
 from hostload import tree_ticks
 
 HERE = Path(__file__).parent
@@ -146,7 +146,7 @@ def report_burst(tally: Tally, idle: float, timeout: float) -> list[str]:
         f"- bad requests refused in their surface's error shape: "
         f"{sum(tally.refused.values())} of {bad} ({dict(sorted(tally.refused.items()))})",
         f"- running and waiting gauges at 0: {idle:.2f} s after the last client",
-        f"- good requests the clients gave up on after {timeout:.0f} s: "
+        f"- requests the clients gave up on after {timeout:.0f} s: "
         f"{sum(tally.timed_out.values())} ({dict(sorted(tally.timed_out.items()))})",
         f"- good requests refused with a 429 (queue full): {sum(tally.shed.values())}",
     ]
@@ -188,6 +188,8 @@ def measure(args: argparse.Namespace, pid: int, base_url: str) -> int:
     memory = Memory(memory.before, warmed, peak.peak, after_burst, rss_mib(pid))
     lines = report_burst(tally, idle, args.request_timeout)
     lines.append(f"- server CPU 10 s after: {cores:.3f} cores")
+    cached = gauges(base_url, ("prefix_cache_bytes",))["prefix_cache_bytes"]
+    lines.append(f"- prefix cache (kept by design): {cached / 2**20:.1f} MiB")
     lines += memory_lines(memory)
     failures = checks(tally, cores, memory)
     lines += [f"- FAILED: {failure}" for failure in failures] or ["- every check passed"]
