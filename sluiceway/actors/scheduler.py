@@ -393,7 +393,7 @@ class Scheduler:
         except Exception:  # the next idle period tries again; serving goes on
             logger.exception("giving memory back failed")
             return
-        logger.debug("memory given back in %.3f s", time.monotonic() - started)
+        logger.info("idle: memory given back in %.3f s", time.monotonic() - started)
 
     # --- engine loss --------------------------------------------------------
 
