@@ -357,7 +357,7 @@ class Scheduler:
                 return False
         if self._engine_lost():
             await self._recover()
-        elif self._release_at is not None and time.monotonic() >= self._release_at:
+        elif self._release_due():
             await self._release_memory()
         return True
 
@@ -385,12 +385,17 @@ class Scheduler:
         now = time.monotonic()
         self._release_at = max(now + delay, self._released + RELEASE_INTERVAL_SECONDS)
 
+    def _release_due(self) -> bool:
+        # A request that came in during the wait goes first.
+        due = self._release_at is not None and time.monotonic() >= self._release_at
+        return due and not self._requests
+
     async def _release_memory(self) -> None:
         self._worked, self._release_at = False, None
         self._released = started = time.monotonic()
         try:
             await self._thread.run(release_memory, self._engine)
-        except Exception:  # the next idle period tries again; serving goes on
+        except Exception:  # tried again after more work; serving goes on
             logger.exception("giving memory back failed")
             return
         logger.info("idle: memory given back in %.3f s", time.monotonic() - started)
