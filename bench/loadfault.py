@@ -20,7 +20,10 @@ random point, 10 % sending bad requests, a few stalled readers). It prints:
   right after it, and once idle again (``--settle`` seconds later); and
   what the prefix cache holds, which every new prompt adds to (kept on
   purpose, up to ``--prefix-cache-bytes``). The target: idle again, less
-  the prefix cache's growth, within 10 % of the level after the warm-up.
+  the prefix cache's growth, within 10 % of the level after the warm-up,
+  and at most half of what the bursts added over the level before them
+  still held (a server that gives nothing back stays at its high-water
+  mark, which the warm-up already reached, so only this tells).
 
 It exits 1 when a check fails. Resident memory does not depend on how busy
 the host is; the request counts, the time to idle and the CPU figure do.
@@ -48,6 +51,10 @@ from hostload import tree_ticks
 HERE = Path(__file__).parent
 #: Resident memory once idle may exceed its level after the warm-up burst by this share.
 RSS_TOLERANCE = 0.10
+#: Idle after the measured burst, RSS may keep at most this share of what
+#: the burst added over the level before any burst (a server that gives
+#: nothing back keeps all of it).
+KEPT_SHARE = 0.5
 #: Cores a server may use while idle and still count as idle.
 IDLE_CORES = 0.05
 
@@ -251,6 +258,12 @@ def checks(tally: Tally, cores: float, memory: Memory) -> list[str]:
         failures.append(
             f"RSS {memory.settled_net:.0f} MiB idle (less the prefix cache's growth), more "
             f"than {RSS_TOLERANCE:.0%} over {memory.warmed:.0f} MiB after the warm-up burst"
+        )
+    kept = memory.settled - memory.before
+    if kept > KEPT_SHARE * (memory.after_burst - memory.before):
+        failures.append(
+            f"memory not given back: idle again, RSS keeps {kept:.0f} MiB of the "
+            f"{memory.after_burst - memory.before:.0f} MiB the bursts added"
         )
     return failures
 
