@@ -31,7 +31,7 @@ import math
 import select
 import socket
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -151,8 +151,11 @@ class Connection:
         self._deadline = math.inf
         self.arrived = 0.0
 
-    def post(self, path: str, payload: bytes, deadline: float) -> Reply:
-        """Send a JSON POST and read the status line and headers."""
+    def post(
+        self, path: str, payload: bytes, deadline: float, headers: Mapping[str, str] | None = None
+    ) -> Reply:
+        """Send a JSON POST (with ``headers`` besides its own) and read the
+        status line and headers."""
         self._deadline = deadline
         if self._socket is None or _readable(self._socket):
             # Never used, or closed (or talking) while idle: a fresh connection.
@@ -168,7 +171,9 @@ class Connection:
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
             "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-            f"Content-Length: {len(payload)}\r\n\r\n"
+            f"Content-Length: {len(payload)}\r\n"
+            + "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+            + "\r\n"
         )
         try:
             self._socket.sendall(head.encode() + payload)
@@ -180,12 +185,12 @@ class Connection:
         version, status = fields[0], fields[1] if len(fields) > 1 else ""
         if not version.startswith("HTTP/") or not status.isdigit():
             raise HttpError(f"bad status line {status_line[:80]!r}")
-        headers: dict[str, str] = {}
+        answered: dict[str, str] = {}
         while line := self.line():
             name, _, value = line.decode("latin-1").partition(":")
-            headers[name.strip().lower()] = value.strip()
-        keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
-        return Reply(int(status), headers, self, keep_alive=keep)
+            answered[name.strip().lower()] = value.strip()
+        keep = version == "HTTP/1.1" and answered.get("connection", "").lower() != "close"
+        return Reply(int(status), answered, self, keep_alive=keep)
 
     def recv(self) -> bytes:
         """The next bytes from the server (``b""`` at its end), within the

@@ -37,7 +37,13 @@ from typing import Any
 import anyio
 import numpy as np
 
-from sluiceway.actors.engine_work import PendingStep, StepOutcome, StepPlan, failed_step
+from sluiceway.actors.engine_work import (
+    PendingStep,
+    StepOutcome,
+    StepPlan,
+    failed_step,
+    release_memory,
+)
 from sluiceway.actors.run_ahead import RunAhead
 from sluiceway.engines.base import CacheOp, DecodeResult, Engine, EngineInfo, Logits
 from sluiceway.engines.loader import ModelSource, freeze_heap
@@ -48,7 +54,17 @@ logger = logging.getLogger(__name__)
 CLOSE_TIMEOUT_SECONDS = 10.0
 
 _METHODS = frozenset(
-    {"execute", "prefill", "fork", "decode", "free", "undo_decode", "restore", "cache_op"}
+    {
+        "execute",
+        "prefill",
+        "fork",
+        "decode",
+        "free",
+        "undo_decode",
+        "restore",
+        "cache_op",
+        "release_memory",
+    }
 )
 
 
@@ -151,6 +167,10 @@ class ProcessEngine:
 
     def cache_op(self, op: CacheOp) -> None:
         self._call("cache_op", op)
+
+    def release_memory(self) -> None:
+        """The child's engine gives back what it keeps, and the child's heap too."""
+        self._call("release_memory")
 
     def close(self) -> None:
         if self._process.is_alive():
@@ -273,6 +293,9 @@ def _serve(conn: Connection, engine: Engine) -> None:
                 (plan,) = args
                 outcome = runner.execute(plan)
                 result: Any = _for_pipe(plan, outcome)
+            elif method == "release_memory":
+                release_memory(engine)
+                result = None
             else:
                 result = getattr(engine, method)(*args, **kwargs)
         except Exception as error:

@@ -30,6 +30,7 @@ import sniffio
 from sluiceway.actors.channels import event_factory
 from sluiceway.actors.logprobs import reduce_targets
 from sluiceway.engines.base import CacheOp, DecodeResult, Engine, KeepKV, Logits
+from sluiceway.engines.memory import give_back_heap
 from sluiceway.protocol.messages import TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -286,6 +287,14 @@ def execute(engine: Engine, plan: StepPlan, *, decoded: DecodeResult | None = No
         if outcome.decode is not None:
             outcome.decode_greedy = outcome.decode.logits.argmax(axis=-1)
     return outcome
+
+
+def release_memory(engine: Engine) -> None:
+    """While no slot is in use: the engine gives back what it keeps for
+    speed, then this process's heap its free pages (an engine in a child
+    process does both there, and this process then trims its own heap)."""
+    engine.release_memory()
+    give_back_heap()
 
 
 def _edit_cache(engine: Engine, ops: tuple[CacheOp, ...]) -> str | None:

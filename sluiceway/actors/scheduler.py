@@ -68,6 +68,7 @@ from sluiceway.actors.engine_work import (
     StepChannel,
     StepOutcome,
     StepPlan,
+    release_memory,
 )
 from sluiceway.actors.prefix_cache import Hold, PrefixCacheStats, PrefixIndex
 from sluiceway.actors.run_ahead import SteppingThread
@@ -103,6 +104,9 @@ logger = logging.getLogger(__name__)
 
 #: How often an idle scheduler checks that a restartable engine still lives.
 LIVENESS_POLL_SECONDS = 1.0
+#: Least seconds between two give-backs of memory, so that a trickle of
+#: requests does not pay for one after each.
+RELEASE_INTERVAL_SECONDS = 10.0
 #: Restarts of a lost engine before the scheduler gives up (and /health says so).
 RESTART_ATTEMPTS = 3
 RESTART_BACKOFF_SECONDS = 1.0
@@ -132,6 +136,9 @@ class SchedulerConfig:
     on_admitted: Callable[[float], None] | None = None
     #: What the prefix cache may hold, in bytes; 0 turns it off.
     prefix_cache_bytes: int = 0
+    #: Seconds with no request after some work before the engine and the
+    #: heap give memory back (``engine_work.release_memory``; None: never).
+    release_memory_after: float | None = None
 
 
 @dataclass(slots=True)
@@ -270,6 +277,12 @@ class Scheduler:
             else SteppingThread(engine, thread).start
         )
         self._restartable = engine if isinstance(engine, Restartable) else None
+        self._engine = engine
+        self._thread = thread
+        #: Steps ran since memory was last given back; when to give it back.
+        self._worked = False
+        self._release_at: float | None = None
+        self._released = -math.inf
         self._config = config
         self._handle = handle
         #: Samples a small step on this task (None: send it to the sampler).
@@ -334,7 +347,9 @@ class Scheduler:
 
     async def _wait(self, inbox: MemoryObjectReceiveStream[SchedulerCommand]) -> bool:
         """Nothing to do: wait for a command (False once the inbox is closed),
-        waking to end stalled requests and to check that the engine lives."""
+        waking to end stalled requests, to check that the engine lives and
+        to give memory back."""
+        self._plan_release()
         with anyio.move_on_after(self._wait_limit()):
             try:
                 self._handle_command(await inbox.receive())
@@ -342,10 +357,14 @@ class Scheduler:
                 return False
         if self._engine_lost():
             await self._recover()
+        elif self._release_due():
+            await self._release_memory()
         return True
 
     def _wait_limit(self) -> float:
         limit = math.inf
+        if self._release_at is not None:
+            limit = self._release_at - time.monotonic()
         timeout = self._config.stall_timeout
         if timeout is not None:
             for request in self._requests.values():
@@ -354,6 +373,32 @@ class Scheduler:
         if self._restartable is not None:
             limit = min(limit, LIVENESS_POLL_SECONDS)
         return max(limit, 0.0)
+
+    # --- memory -------------------------------------------------------------
+
+    def _plan_release(self) -> None:
+        """Once idle after some work: give memory back after the configured
+        quiet time (and not sooner than an interval after the last time)."""
+        delay = self._config.release_memory_after
+        if delay is None or not self._worked or self._requests or self._release_at is not None:
+            return
+        now = time.monotonic()
+        self._release_at = max(now + delay, self._released + RELEASE_INTERVAL_SECONDS)
+
+    def _release_due(self) -> bool:
+        # A request that came in during the wait goes first.
+        due = self._release_at is not None and time.monotonic() >= self._release_at
+        return due and not self._requests
+
+    async def _release_memory(self) -> None:
+        self._worked, self._release_at = False, None
+        self._released = started = time.monotonic()
+        try:
+            await self._thread.run(release_memory, self._engine)
+        except Exception:  # tried again after more work; serving goes on
+            logger.exception("giving memory back failed")
+            return
+        logger.info("idle: memory given back in %.3f s", time.monotonic() - started)
 
     # --- engine loss --------------------------------------------------------
 
@@ -423,6 +468,7 @@ class Scheduler:
     def _start(self, plan: StepPlan | None) -> tuple[StepPlan, PendingStep] | None:
         if plan is None:
             return None
+        self._worked, self._release_at = True, None
         return plan, self._start_step(plan)
 
     def _reserved_rows(self) -> int:

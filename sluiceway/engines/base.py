@@ -143,6 +143,13 @@ class Engine(Protocol):
         never fails (the index has forgotten the entry already)."""
         ...
 
+    def release_memory(self) -> None:
+        """Give back what the engine keeps only to go faster, not to be
+        correct: an idle batch's buffers kept for reuse, the device
+        allocator's cache. Called while no slot is in use (the prefix-cache
+        entries stay)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -184,6 +184,10 @@ class MlxEngine:
         mx.eval(pieces)
         self._entries[op.entry] = pieces
 
+    def release_memory(self) -> None:
+        # mlx keeps freed buffers in a cache of its own for reuse.
+        self._mx.clear_cache()
+
     def close(self) -> None:
         self._pending.clear()
         self._batch = None

@@ -543,6 +543,12 @@ class TransformersEngine:
             elif isinstance(op, DropKV):
                 self._entries.pop(op.entry, None)
 
+    def release_memory(self) -> None:
+        if not self._order:
+            self._batch = None  # kept while idle for the next rows; zeroed pages all
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def close(self) -> None:
         self._pending.clear()
         self._batch = None

@@ -303,6 +303,7 @@ class SluicewayApp:
             stall_timeout=self.config.stall_timeout or None,
             on_admitted=self.metrics.queue_time.observe,
             prefix_cache_bytes=prefix_cache_bytes(self.config, model.engine),
+            release_memory_after=self.config.release_memory_after or None,
         )
 
     def _ready(self, model: LoadedModel, handle: SchedulerHandle) -> None:

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         "cancelled and its slot freed (0: never)",
         "request_timeout": "a request still running after this many seconds ends with an "
         "error (0: no limit)",
+        "release_memory_after": "once no request has run for this many seconds, the engine "
+        "drops buffers it keeps for reuse and the heap's free pages go back to the system "
+        "(0: never)",
         "allowed_origins": "origins allowed to call the API from a browser (CORS): '*' or a "
         "comma-separated list (default: none)",
         "max_top_logprobs": "largest top_logprobs / logprobs / prompt_logprobs accepted",

@@ -69,6 +69,8 @@ class ServerConfig:
     stall_timeout: float = 60.0
     #: A request still running after this many seconds ends (0: no limit).
     request_timeout: float = 0.0
+    #: Seconds idle after a burst before memory is given back (0: never).
+    release_memory_after: float = 2.0
     #: Origins allowed to call the API from a browser (CORS): ``*`` or a
     #: comma-separated list; none by default.
     allowed_origins: str | None = None
@@ -98,7 +100,12 @@ class ServerConfig:
         self.template_defaults()  # refuses what is not a JSON object
         if self.keepalive_seconds <= 0:
             raise ValueError("keepalive_seconds must be positive")
-        for name in ("shutdown_timeout", "stall_timeout", "request_timeout"):
+        for name in (
+            "shutdown_timeout",
+            "stall_timeout",
+            "request_timeout",
+            "release_memory_after",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
         if self.grammar_compile_timeout <= 0:

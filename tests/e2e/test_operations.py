@@ -1,12 +1,13 @@
 """Operating the server, end to end: malformed input is a 4xx, a stalled
 reader pauses only its own request (then ends, its slot freed), a paused
-stream resumes unchanged, deadlines, metrics, request ids, CORS and the
-API key."""
+stream resumes unchanged, a burst of faulty clients (the load-and-fault
+bench's, shorter), deadlines, metrics, request ids, CORS and the API key."""
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,9 @@ from hypothesis.errors import Unsatisfiable
 
 from tests.e2e.harness import RunningServer, serving, start_server
 from tests.e2e.ops import SilentReader, Stream, chat, load, rss_kib, wait_for
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+from faults import Burst, run_burst, seconds_to_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -287,6 +291,33 @@ def test_a_stalled_reader_is_cut_off_after_the_stall_timeout(ops_server: Running
     assert re.search(
         r"a client stopped reading|stalled: its client stopped reading", ops_server.log()
     )
+
+
+def test_a_burst_of_faulty_clients_gets_no_5xx_and_every_stream_ends_well(
+    ops_server: RunningServer,
+) -> None:
+    """bench/loadfault.py's burst, shorter: 40 streaming clients on four
+    surfaces for a few seconds, 30 % hanging up at random points, 10 % bad
+    requests, two stalled readers."""
+    burst = Burst(
+        base_url=ops_server.base_url,
+        model=ops_server.model,
+        clients=40,
+        seconds=4.0,
+        stalled=2,
+        max_tokens=16,
+        headers=tuple(ops_server.auth.items()),
+        seed=int(time.time()),
+    )
+    tally = run_burst(burst)
+    assert tally.server_errors == 0, tally.statuses
+    assert not tally.problems, tally.problems[:5]
+    assert not tally.timed_out, "a request hung"
+    assert sum(tally.completed.values()) >= 10, tally.sent
+    assert sum(tally.refused.values()) >= 1, tally.sent
+    # The gauges read 0 soon after the last client (stalled readers included).
+    assert seconds_to_idle(ops_server.base_url, within=30) < 30
+    assert load(ops_server)["running_sequences"] == 0
 
 
 def test_a_request_past_its_deadline_ends_with_the_surfaces_error(

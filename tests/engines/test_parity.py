@@ -219,3 +219,18 @@ def test_more_rows_than_the_first_allocation(engine: Engine) -> None:
     assert len(traces) == len(prompts)
     for slot, trace in traces:
         assert_same_trace(trace, alone[slot], f"slot {slot}")
+
+
+def test_memory_given_back_while_idle_changes_no_later_step(engine: Engine) -> None:
+    """Once every row has left, the engine drops the buffers it kept for
+    reuse; the rows that come next decode exactly as before."""
+    prompts = {10: PROMPTS["medium"], 11: PROMPTS["short"], 12: prompt(8, 40)}
+    joins = {0: [10, 11], 2: [12]}
+    leaves: dict[int, list[int]] = {}
+    before = run_schedule(engine, prompts, joins, leaves, 10)
+    for slot in prompts:
+        engine.free(slot)
+    engine.release_memory()
+    after = run_schedule(engine, prompts, joins, leaves, 10)
+    for (slot, trace), (_, again) in zip(before, after, strict=True):
+        assert_same_trace(again, trace, f"slot {slot}")

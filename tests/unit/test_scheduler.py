@@ -81,6 +81,9 @@ class FakeEngine:
         if slot in self.running:
             self.running.remove(slot)
 
+    def release_memory(self) -> None:
+        self.calls.append(("release_memory", tuple(self.running)))
+
     def close(self) -> None:
         pass
 
@@ -202,6 +205,31 @@ async def test_choices_share_one_prefill_and_prompt_scores_come_first() -> None:
     await run_with(engine, config, body)
     assert [kind for kind, _ in engine.calls].count("prefill") == 1
     assert [kind for kind, _ in engine.calls].count("fork") == 2
+
+
+@pytest.mark.anyio
+async def test_memory_is_given_back_once_idle_after_work_and_only_then() -> None:
+    engine = FakeEngine()
+    config = SchedulerConfig(eos_ids=frozenset({EOS}), release_memory_after=0.2)
+
+    def releases() -> list[object]:
+        return [args for kind, args in engine.calls if kind == "release_memory"]
+
+    async def body(handle: SchedulerHandle) -> None:
+        await anyio.sleep(0.4)
+        assert releases() == [], "nothing ran yet: nothing to give back"
+        stream = submit(handle, request("a", [1], max_tokens=10**6, ignore_eos=True))
+        async with stream:
+            await stream.receive()
+            await anyio.sleep(0.3)
+            assert releases() == [], "not while a request runs"
+            handle.cancel("a")
+        await anyio.sleep(0.5)
+        assert releases() == [()], "once idle, with no slot in use"
+        await anyio.sleep(0.4)
+        assert len(releases()) == 1, "not again without more work"
+
+    await run_with(engine, config, body)
 
 
 @pytest.mark.anyio
