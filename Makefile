@@ -13,6 +13,10 @@ TORCH_STAMP := $(VENV)/.installed-torch
 LATEST := .venv-latest
 ARGS ?=
 PYTEST_ARGS ?=
+# The suite runs on this many cores (pytest-xdist, 0: in one process). Whole
+# files go to a worker, so a module's server is started once.
+PYTEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: serve test lint typecheck check-lock browser clients pytest test-clients test-latest lock lock-upgrade bench clean
 
@@ -74,7 +78,7 @@ clients: $(STAMP)
 	done
 
 pytest: $(TORCH_STAMP) browser clients
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
 # pytest's exit code 5 (nothing collected) fails this target like any other.
 test: lint typecheck check-lock pytest
@@ -83,7 +87,7 @@ test: lint typecheck check-lock pytest
 # them too), installed by `clients` above: they need Node.js, and the npm
 # registry once.
 test-clients: $(TORCH_STAMP) clients
-	$(BIN)/python -m pytest -m client $(PYTEST_ARGS)
+	$(PYTEST) -m client $(PYTEST_ARGS)
 
 # Types and the suite on the newest releases that pyproject.toml allows, in a
 # virtualenv of their own, ignoring the lock: a registry release that breaks
@@ -100,7 +104,7 @@ test-latest: $(STAMP)
 	-$(BIN)/python scripts/check_lock.py $(LOCK) --python $(LATEST)/bin/python
 	cd $(CURDIR) && $(LATEST)/bin/mypy
 	$(MAKE) browser
-	$(LATEST)/bin/python -m pytest $(PYTEST_ARGS)
+	$(LATEST)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Regenerate the lock after a change to pyproject.toml or lock.in, keeping
 # every other pin; `make lock-upgrade` moves every pin to its newest release.
