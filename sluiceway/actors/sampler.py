@@ -4,17 +4,20 @@ When a row asked for logprobs and a reducer is wired after us, the logits
 (and, in ``processed`` mode, the distribution actually sampled from) travel on
 with the ids; otherwise they are dropped here.
 
-Constrained rows need a grammar mask per token. Once a step is sampled, the
-next masks are computed in a worker thread while the step travels back to the
-scheduler and the engine runs the next forward pass; the next step waits for
-them only if they are not ready by then.
+Constrained rows need a grammar mask per token. Once a step is sampled here,
+the next masks are computed in a worker thread while the step travels back to
+the scheduler and the engine runs the next forward pass; the next step waits
+for them only if they are not ready by then.
 
 A small step never reaches this actor: the scheduler samples (and reduces) it
 itself through :meth:`StepSampler.inline`, on the same sampler state, because
 a round through the sampler and reducer tasks costs more event-loop time than
-the sampling (``bench/pertoken-results.md``). The state is shared safely
-because the scheduler waits for each step it sends here, and ``inline``
-declines while a mask computation is under way in a thread.
+the sampling (``bench/pertoken-results.md``). In a greedy step the engine
+picks the tokens, a greedy constrained row's under the mask the scheduler
+got from :meth:`StepSampler.allowed`, and :meth:`StepSampler.take` advances
+the matchers by them. The state is shared safely because the scheduler waits
+for each step it sends here, ``inline`` declines while a mask computation is
+under way in a thread, and ``allowed`` and ``take`` wait for it.
 """
 
 from __future__ import annotations
