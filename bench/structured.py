@@ -19,11 +19,17 @@ rounds (the host's drift falls on both sides alike):
 
 - ``c=1``: one free stream; one constrained stream;
 - ``c=16``: sixteen free streams; sixteen constrained streams;
-- ``c=16 mixed``: fifteen free streams beside one constrained stream. A step
-  with a constrained row leaves the greedy fast path (the engine's argmax,
-  decoding ahead): every row of it goes through the sampler. The free
-  streams' decode rate against sixteen free streams is what the one
-  constrained row costs its neighbours.
+- ``c=16 mixed``: fifteen free streams beside one constrained stream. A
+  greedy constrained row stays on the greedy fast path (the engine takes the
+  argmax under the mask its plan carries, and decodes ahead) from its second
+  token on; its first token goes through the sampler with every row of its
+  step. The free streams' decode rate against sixteen free streams is what
+  the one constrained row costs its neighbours.
+
+Both kinds of request are greedy with no logprobs; they differ only in the
+grammar and in how they are kept running to ``--tokens`` (``ignore_eos`` for
+the free ones; ``min_tokens`` for the constrained ones, whose suppressed EOS
+is folded into their mask).
 
 Reported per phase: the streams' decode rate (tokens/s after each stream's
 first token), the median over rounds, each round's constrained ÷ free ratio,
@@ -269,6 +275,13 @@ def report(results: dict[str, list[Outcome]]) -> None:
                 rates(f"{level} constrained", "cpu_per_token"),
             )
         )
+    print(
+        ratio_line(
+            "c=16: all free ÷ mixed server CPU per token",
+            rates("c=16 free", "cpu_per_token"),
+            rates("c=16 mixed", "cpu_per_token"),
+        )
+    )
 
 
 def mask_costs(model: Path, tokens: int) -> None:
