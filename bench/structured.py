@@ -203,8 +203,8 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, list[Outco
                 outcome = await run_phase(phase, base, server.pid, prompts, args.tokens)
                 results[phase.name].append(outcome)
                 print(
-                    f"  round {round_ + 1} {phase.name:17s} free {outcome.free:7.1f} tok/s/stream"
-                    f"  constrained {outcome.constrained:7.1f}  server CPU"
+                    f"  round {round_ + 1} {phase.name:17s} free {outcome.free:8.3f} tok/s/stream"
+                    f"  constrained {outcome.constrained:8.3f}  server CPU"
                     f" {outcome.cpu_per_token:6.2f} ms/token  others {outcome.other_cores:.2f} cores",
                     flush=True,
                 )
@@ -230,7 +230,7 @@ def report(results: dict[str, list[Outcome]]) -> None:
         constrained = statistics.median(o.constrained for o in outcomes)
         others = max(o.other_cores for o in outcomes)
         print(
-            f"  {name:17s} free {free:7.1f}  constrained {constrained:7.1f}  others ≤ {others:.2f} cores"
+            f"  {name:17s} free {free:8.3f}  constrained {constrained:8.3f}  others ≤ {others:.2f} cores"
         )
     print("\nserver CPU per generated token (ms, median of rounds):")
     for name, outcomes in results.items():
