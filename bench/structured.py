@@ -19,11 +19,17 @@ rounds (the host's drift falls on both sides alike):
 
 - ``c=1``: one free stream; one constrained stream;
 - ``c=16``: sixteen free streams; sixteen constrained streams;
-- ``c=16 mixed``: fifteen free streams beside one constrained stream. A step
-  with a constrained row leaves the greedy fast path (the engine's argmax,
-  decoding ahead): every row of it goes through the sampler. The free
-  streams' decode rate against sixteen free streams is what the one
-  constrained row costs its neighbours.
+- ``c=16 mixed``: fifteen free streams beside one constrained stream. A
+  greedy constrained row stays on the greedy fast path (the engine takes the
+  argmax under the mask its plan carries, and decodes ahead) from its second
+  token on; its first token goes through the sampler with every row of its
+  step. The free streams' decode rate against sixteen free streams is what
+  the one constrained row costs its neighbours.
+
+Both kinds of request are greedy with no logprobs; they differ only in the
+grammar and in how they are kept running to ``--tokens`` (``ignore_eos`` for
+the free ones; ``min_tokens`` for the constrained ones, whose suppressed EOS
+is folded into their mask).
 
 Reported per phase: the streams' decode rate (tokens/s after each stream's
 first token), the median over rounds, each round's constrained ÷ free ratio,
@@ -197,8 +203,8 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, list[Outco
                 outcome = await run_phase(phase, base, server.pid, prompts, args.tokens)
                 results[phase.name].append(outcome)
                 print(
-                    f"  round {round_ + 1} {phase.name:17s} free {outcome.free:7.1f} tok/s/stream"
-                    f"  constrained {outcome.constrained:7.1f}  server CPU"
+                    f"  round {round_ + 1} {phase.name:17s} free {outcome.free:8.3f} tok/s/stream"
+                    f"  constrained {outcome.constrained:8.3f}  server CPU"
                     f" {outcome.cpu_per_token:6.2f} ms/token  others {outcome.other_cores:.2f} cores",
                     flush=True,
                 )
@@ -224,7 +230,7 @@ def report(results: dict[str, list[Outcome]]) -> None:
         constrained = statistics.median(o.constrained for o in outcomes)
         others = max(o.other_cores for o in outcomes)
         print(
-            f"  {name:17s} free {free:7.1f}  constrained {constrained:7.1f}  others ≤ {others:.2f} cores"
+            f"  {name:17s} free {free:8.3f}  constrained {constrained:8.3f}  others ≤ {others:.2f} cores"
         )
     print("\nserver CPU per generated token (ms, median of rounds):")
     for name, outcomes in results.items():
@@ -269,6 +275,13 @@ def report(results: dict[str, list[Outcome]]) -> None:
                 rates(f"{level} constrained", "cpu_per_token"),
             )
         )
+    print(
+        ratio_line(
+            "c=16: all free ÷ mixed server CPU per token",
+            rates("c=16 free", "cpu_per_token"),
+            rates("c=16 mixed", "cpu_per_token"),
+        )
+    )
 
 
 def mask_costs(model: Path, tokens: int) -> None:

@@ -30,6 +30,7 @@ import sniffio
 from sluiceway.actors.channels import event_factory
 from sluiceway.actors.logprobs import reduce_targets
 from sluiceway.engines.base import CacheOp, DecodeResult, Engine, KeepKV, Logits
+from sluiceway.engines.grammar import Bitmask, mask_logits
 from sluiceway.engines.memory import give_back_heap
 from sluiceway.protocol.messages import TokenLogprob
 
@@ -197,8 +198,11 @@ class PrefillWork:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepPlan:
-    """``greedy``: every row sampled this step is plain greedy (no logprobs,
-    no bias or penalties), so the engine thread picks the tokens itself.
+    """``greedy``: every row sampled this step is greedy with no logprobs,
+    bias or penalties, so the engine thread picks the tokens itself; a
+    decoded row with a grammar (or ``min_tokens``) to obey has its mask in
+    ``masks`` (by slot: the tokens it may pick, as the sampler would mask
+    them), and its pick is the argmax among those.
     ``cache_ops`` (prefix-cache edits, and copies of finished rows) run
     first, before ``frees``."""
 
@@ -207,6 +211,7 @@ class StepPlan:
     prefills: tuple[PrefillWork, ...] = ()
     decode: Mapping[int, int] = field(default_factory=dict)
     greedy: bool = False
+    masks: Mapping[int, Bitmask] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -285,7 +290,7 @@ def execute(engine: Engine, plan: StepPlan, *, decoded: DecodeResult | None = No
             if prefilled.logits is not None:
                 prefilled.greedy = prefilled.logits.argmax(axis=-1)
         if outcome.decode is not None:
-            outcome.decode_greedy = outcome.decode.logits.argmax(axis=-1)
+            outcome.decode_greedy = greedy_picks(outcome.decode, plan.masks)
     return outcome
 
 
@@ -295,6 +300,20 @@ def release_memory(engine: Engine) -> None:
     process does both there, and this process then trims its own heap)."""
     engine.release_memory()
     give_back_heap()
+
+
+def greedy_picks(decoded: DecodeResult, masks: Mapping[int, Bitmask]) -> npt.NDArray[np.int64]:
+    """Each row's argmax; a masked row's among what its mask allows. The
+    mask goes on a copy of the row: the logits stay the model's."""
+    picks: npt.NDArray[np.int64] = decoded.logits.argmax(axis=-1)
+    if masks:
+        for i, slot in enumerate(decoded.slots):
+            mask = masks.get(slot)
+            if mask is not None:
+                row = np.array(decoded.logits[i], dtype=np.float32)
+                mask_logits(row, mask)
+                picks[i] = row.argmax()
+    return picks
 
 
 def _edit_cache(engine: Engine, ops: tuple[CacheOp, ...]) -> str | None:

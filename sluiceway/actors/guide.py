@@ -28,7 +28,7 @@ import llguidance
 import numpy as np
 import numpy.typing as npt
 
-from sluiceway.engines.grammar import Bitmask, allow, mask_logits
+from sluiceway.engines.grammar import Bitmask, allow, every_token, mask_logits
 from sluiceway.protocol.constraints import ReasoningGate
 
 FloatArray = npt.NDArray[np.float32]
@@ -96,6 +96,18 @@ class RowGuide:
             assert self.gate.start_id is not None
             mask = allow(mask, self.gate.start_id)
         mask_logits(x, mask)
+
+    def allowed(self, vocab_size: int) -> Bitmask | None:
+        """The tokens :meth:`apply` lets through, as a mask (None: no mask
+        computed yet, or the row is COMPLETE or FAILED). The engine applies
+        it before its own argmax, in a greedy step."""
+        if self.state is GuideState.REASONING:
+            return every_token(vocab_size, but=self.eos_ids)
+        mask = self.mask
+        if mask is not None and self.state is GuideState.OPENING and self.gate is not None:
+            assert self.gate.start_id is not None
+            return allow(mask, self.gate.start_id)
+        return mask
 
     def advance(self, token: int) -> None:
         """Take the row's sampled token."""

@@ -22,6 +22,11 @@ What the plan may differ in, and how that is met:
 
 Greedy decoding is a pure function of the tokens, so a step served from
 ahead is bit-identical to the step the plan would have run.
+
+A greedy constrained row's token is the argmax under the grammar mask its
+plan carried (``StepPlan.masks``), so the step ahead feeds only tokens the
+grammar allows; the mask of the token after that comes with the next plan,
+which the step ahead serves.
 """
 
 from __future__ import annotations

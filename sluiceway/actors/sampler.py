@@ -4,30 +4,34 @@ When a row asked for logprobs and a reducer is wired after us, the logits
 (and, in ``processed`` mode, the distribution actually sampled from) travel on
 with the ids; otherwise they are dropped here.
 
-Constrained rows need a grammar mask per token. Once a step is sampled, the
-next masks are computed in a worker thread while the step travels back to the
-scheduler and the engine runs the next forward pass; the next step waits for
-them only if they are not ready by then.
+Constrained rows need a grammar mask per token. Once a step is sampled here,
+the next masks are computed in a worker thread while the step travels back to
+the scheduler and the engine runs the next forward pass; the next step waits
+for them only if they are not ready by then.
 
 A small step never reaches this actor: the scheduler samples (and reduces) it
 itself through :meth:`StepSampler.inline`, on the same sampler state, because
 a round through the sampler and reducer tasks costs more event-loop time than
-the sampling (``bench/pertoken-results.md``). The state is shared safely
-because the scheduler waits for each step it sends here, and ``inline``
-declines while a mask computation is under way in a thread.
+the sampling (``bench/pertoken-results.md``). In a greedy step the engine
+picks the tokens, a greedy constrained row's under the mask the scheduler
+got from :meth:`StepSampler.allowed`, and :meth:`StepSampler.take` advances
+the matchers by them. The state is shared safely because the scheduler waits
+for each step it sends here, ``inline`` declines while a mask computation is
+under way in a thread, and ``allowed`` and ``take`` wait for it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import anyio
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
 from sluiceway.actors.logprobs import reduce_step
 from sluiceway.actors.sampling import Sampler
-from sluiceway.engines.grammar import GrammarEngine
-from sluiceway.protocol.messages import LogitsStep, SampledStep
+from sluiceway.engines.grammar import Bitmask, GrammarEngine
+from sluiceway.protocol.messages import ConstraintReport, LogitsStep, Row, SampledStep
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,7 +73,8 @@ def _is_cheap(step: LogitsStep) -> bool:
     """A plain greedy step is one argmax, and a small step a few short NumPy
     calls: cheaper than two thread hops. A constrained row's mask was
     computed ahead, off the loop, except for its first token: llguidance
-    would compute that one here, so such a step goes to a thread."""
+    would compute that one here (and may wait for its grammar's compile),
+    so such a step goes to a thread."""
     if all(row.plain for row in step.rows):
         return True
     return step.logits.size <= INLINE_LOGITS and not any(
@@ -78,31 +83,71 @@ def _is_cheap(step: LogitsStep) -> bool:
 
 
 class StepSampler:
-    """The sampler's state and its two ways to a step: inline on the caller's
-    task for a cheap step, or the actor (:func:`run`) for the rest."""
+    """The sampler's state and its ways to a step: inline on the caller's
+    task for a cheap step, or the actor (:func:`run`) for the rest; and, for
+    greedy steps whose tokens the engine picks, the guided rows' masks
+    (:meth:`allowed`) and their advance (:meth:`take`)."""
 
     def __init__(self, config: SamplerConfig, *, reduce: bool) -> None:
         self.config = config
         self.sampler = Sampler(config.grammars)
         #: A reducer is wired after the sampler, so logprobs are asked for.
         self._reduce = reduce
-        #: A worker thread is computing masks from the sampler's state.
+        #: A worker thread is computing masks from the sampler's state...
         self.preparing_masks = False
+        #: ... and sets this when done.
+        self._masks: anyio.Event | None = None
 
     def inline(self, step: LogitsStep) -> SampledStep | None:
-        """Sample (and reduce) a step of at most :data:`INLINE_LOGITS` logits
-        with no constrained row here and now; None when the step must go to
-        the actors instead."""
-        if self.preparing_masks or not _is_small(step):
+        """Sample (and reduce) a cheap step of at most :data:`INLINE_LOGITS`
+        logits here and now (a constrained row's masks computed here too, ~35
+        µs a row on a small vocabulary); None when the step must go to the
+        actors instead."""
+        if self.preparing_masks or step.logits.size > INLINE_LOGITS or not _is_cheap(step):
             return None
         sampled = sample_step(self.sampler, step, self.config)
         if self._reduce and (sampled.logits is not None or sampled.processed is not None):
             return reduce_step(sampled)
         return sampled
 
+    async def allowed(self, rows: Sequence[Row]) -> list[Bitmask] | None:
+        """The masks of guided greedy ``rows`` for their next token, for the
+        engine to apply before its argmax; None when one has none (the step
+        then goes through the sampler, which reports why). Computed here on
+        a small vocabulary, in a worker thread on a large one (the engine is
+        decoding ahead meanwhile)."""
+        await self.settle()
+        sampler = self.sampler
+        if sampler.masks_due():
+            if self._mask_work(len(rows)) <= INLINE_LOGITS:
+                sampler.prepare_masks()
+            else:
+                await _prepare_masks(self, self._start())
+        return sampler.allowed(rows)
 
-def _is_small(step: LogitsStep) -> bool:
-    return step.logits.size <= INLINE_LOGITS and all(row.constraint is None for row in step.rows)
+    async def take(self, rows: Sequence[Row], token_ids: Sequence[int]) -> ConstraintReport | None:
+        """Advance the guides of a greedy step's rows by the engine's tokens."""
+        await self.settle()
+        return self.sampler.take(rows, token_ids)
+
+    async def settle(self) -> None:
+        """Wait for masks being computed in a worker thread, if they are."""
+        if self._masks is not None:
+            await self._masks.wait()
+
+    def start_masks(self, group: TaskGroup) -> None:
+        """Compute due masks in a worker thread, in the background."""
+        if self.sampler.masks_due():
+            group.start_soon(_prepare_masks, self, self._start())
+
+    def _start(self) -> anyio.Event:
+        self.preparing_masks = True
+        self._masks = anyio.Event()
+        return self._masks
+
+    def _mask_work(self, rows: int) -> int:
+        grammars = self.config.grammars
+        return rows * (grammars.vocab_size if grammars is not None else 0)
 
 
 async def run(
@@ -112,19 +157,13 @@ async def run(
 ) -> None:
     sampler, config = core.sampler, core.config
     async with receive, send, anyio.create_task_group() as group:
-        masks: anyio.Event | None = None
         async for step in receive:
-            if masks is not None:
-                await masks.wait()  # the sampler's state is not shared with that thread
-                masks = None
+            await core.settle()  # the sampler's state is not shared with that thread
             if _is_cheap(step):
                 sampled = sample_step(sampler, step, config)
             else:
                 sampled = await anyio.to_thread.run_sync(sample_step, sampler, step, config)
-            if sampler.masks_due():
-                masks = anyio.Event()
-                core.preparing_masks = True
-                group.start_soon(_prepare_masks, core, masks)
+            core.start_masks(group)
             await send.send(sampled)
 
 
@@ -133,4 +172,5 @@ async def _prepare_masks(core: StepSampler, done: anyio.Event) -> None:
         await anyio.to_thread.run_sync(core.sampler.prepare_masks)
     finally:
         core.preparing_masks = False
+        core._masks = None
         done.set()

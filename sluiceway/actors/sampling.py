@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from sluiceway.actors.guide import GuideState, RowGuide
-from sluiceway.engines.grammar import GrammarEngine, GrammarError
+from sluiceway.engines.grammar import Bitmask, GrammarEngine, GrammarError, without
 from sluiceway.protocol.messages import ConstraintReport, Row, SamplingParams
 
 FloatArray = npt.NDArray[np.float32]
@@ -100,6 +100,36 @@ class Sampler:
         return SampleResult(
             token_ids, processed if keep_processed else None, _advance_guides(states, token_ids)
         )
+
+    def take(self, rows: Sequence[Row], token_ids: Sequence[int]) -> ConstraintReport | None:
+        """Take the tokens the engine picked in a greedy step (each guided
+        row's among what :meth:`allowed` gave it): advance the guides.
+
+        No counts are recorded: only penalties read them, and a row with
+        penalties never takes a greedy step.
+        """
+        states = self._sync_states(rows)
+        return _advance_guides(states, np.asarray(token_ids, dtype=np.int64))
+
+    def allowed(self, rows: Sequence[Row]) -> list[Bitmask] | None:
+        """What each of ``rows`` (guided, greedy, not first) may pick next,
+        as the sampler would mask it (the grammar, then ``suppress`` unless
+        that leaves nothing); None when a row has no mask ready (its guide
+        failed or ended, or :meth:`prepare_masks` has not run)."""
+        if self._grammars is None:
+            return None
+        masks = []
+        for row in rows:
+            state = self._states.get(row.key)
+            guide = state.guide if state is not None else None
+            mask = guide.allowed(self._grammars.vocab_size) if guide is not None else None
+            if mask is None:
+                return None
+            if row.suppress:
+                narrowed = without(mask, row.suppress)
+                mask = narrowed if narrowed.any() else mask
+            masks.append(mask)
+        return masks
 
     def prepare_masks(self) -> None:
         """Compute the mask of every constrained row that needs one for its

@@ -52,7 +52,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -73,6 +73,7 @@ from sluiceway.actors.engine_work import (
 from sluiceway.actors.prefix_cache import Hold, PrefixCacheStats, PrefixIndex
 from sluiceway.actors.run_ahead import SteppingThread
 from sluiceway.engines.base import Engine, EngineInfo, KeepKV
+from sluiceway.engines.grammar import Bitmask
 from sluiceway.protocol.errors import Overloaded, ServiceUnavailable
 from sluiceway.protocol.messages import (
     Backlog,
@@ -110,6 +111,19 @@ RELEASE_INTERVAL_SECONDS = 10.0
 #: Restarts of a lost engine before the scheduler gives up (and /health says so).
 RESTART_ATTEMPTS = 3
 RESTART_BACKOFF_SECONDS = 1.0
+
+
+class Guides(Protocol):
+    """The sampler's side of greedy steps with guided rows
+    (``sluiceway.actors.sampler.StepSampler``)."""
+
+    async def allowed(self, rows: Sequence[Row]) -> Sequence[Bitmask] | None:
+        """Each row's mask for its next token (None: not every row has one)."""
+        ...
+
+    async def take(self, rows: Sequence[Row], token_ids: Sequence[int]) -> ConstraintReport | None:
+        """Advance the rows' grammars by the tokens the engine picked."""
+        ...
 
 
 @runtime_checkable
@@ -268,6 +282,7 @@ class Scheduler:
         config: SchedulerConfig,
         handle: SchedulerHandle,
         sample_inline: Callable[[LogitsStep], SampledStep | None] | None = None,
+        guides: Guides | None = None,
     ) -> None:
         # An engine in a child process takes steps over its pipe, from the
         # loop; an engine in this process, on its thread.
@@ -287,6 +302,8 @@ class Scheduler:
         self._handle = handle
         #: Samples a small step on this task (None: send it to the sampler).
         self._sample_inline = sample_inline
+        #: The guided rows' masks, for greedy steps (None: no guided row takes one).
+        self._guides = guides
         self._waiting: deque[_Request] = deque()
         self._prefilling: list[_Request] = []
         self._requests: dict[str, _Request] = {}
@@ -314,7 +331,7 @@ class Scheduler:
                 while True:
                     if step is None:
                         self._drain(inbox)
-                        step = self._start(self._plan())
+                        step = self._start(await self._next_plan())
                         if step is None:
                             self._publish_counters()
                             if not await self._wait(inbox):
@@ -331,9 +348,9 @@ class Scheduler:
                         # The engine picked the tokens: start the next step
                         # before fanning this one out, so the engine never
                         # waits for the output work.
-                        samples = self._decide(batch.choices, batch.greedy, None)
+                        samples = await self._take_greedy(batch, batch.greedy)
                         self._drain(inbox)
-                        step = self._start(self._plan())
+                        step = self._start(await self._next_plan())
                         self._deliver_samples(samples)
                     elif batch.choices:
                         await self._sample(batch, to_sampler, from_sampler)
@@ -481,7 +498,34 @@ class Scheduler:
         reserved = self._reserved_rows()
         return reserved == 0 or reserved + self._waiting[0].spec.n <= self._config.max_num_seqs
 
-    def _plan(self) -> StepPlan | None:
+    async def _next_plan(self) -> StepPlan | None:
+        return self._plan(await self._greedy_masks())
+
+    async def _greedy_masks(self) -> dict[int, Bitmask]:
+        """The masks that let the next step be greedy with guided rows in it
+        (by slot): asked for only when every other decoding row is plain,
+        else the step is sampled anyway and the sampler masks it."""
+        guides = self._guides
+        if guides is None:
+            return {}
+        guided: list[_Choice] = []
+        for choice in self._rows.values():
+            if choice.generated == 0:
+                continue
+            row = self._row(choice)
+            if row.plain:
+                continue
+            if not _greedy_guided(row):
+                return {}
+            guided.append(choice)
+        if not guided:
+            return {}
+        masks = await guides.allowed([self._row(c) for c in guided])
+        if masks is None:
+            return {}
+        return {choice.slot: mask for choice, mask in zip(guided, masks, strict=True)}
+
+    def _plan(self, masks: Mapping[int, Bitmask]) -> StepPlan | None:
         self._pause_lagging()
         budget = self._config.prefill_chunk_tokens
         prefills = []
@@ -507,7 +551,7 @@ class Scheduler:
         if not (cache_ops or frees or prefills or decode):
             return None
         starting = [self._requests[w.request_id] for w in prefills if w.final]
-        greedy = all(self._row(c).plain for c in decoding) and all(
+        greedy = all(c.slot in masks or self._row(c).plain for c in decoding) and all(
             _starts_plain(r.spec) for r in starting
         )
         return StepPlan(
@@ -516,6 +560,7 @@ class Scheduler:
             prefills=tuple(prefills),
             decode=decode,
             greedy=greedy,
+            masks={c.slot: masks[c.slot] for c in decoding if c.slot in masks} if greedy else {},
         )
 
     # --- pacing -------------------------------------------------------------
@@ -755,6 +800,18 @@ class Scheduler:
             self._decide(rows.choices, sampled.token_ids, sampled.logprobs, sampled.constraints)
         )
 
+    async def _take_greedy(self, batch: _Batch, tokens: list[int]) -> dict[str, list[TokenSample]]:
+        """Take in a step whose tokens the engine picked; guided rows in it
+        advance their grammars by their tokens, as a sampled step's do."""
+        report = None
+        if self._guides is not None and any(
+            c.request.spec.constraint is not None for c in batch.choices
+        ):
+            report = await self._guides.take([self._row(c) for c in batch.choices], tokens)
+        if report is not None:
+            self._fail_constrained(batch.choices, report)
+        return self._decide(batch.choices, tokens, None, report)
+
     def _fail_constrained(self, choices: list[_Choice], report: ConstraintReport) -> None:
         """End the requests whose grammar failed; ``_decide`` drops their rows' tokens."""
         for index, message in report.failed:
@@ -954,6 +1011,22 @@ def _prefix_index(config: SchedulerConfig, info: EngineInfo) -> PrefixIndex | No
         return None
     return PrefixIndex(
         budget_bytes=config.prefix_cache_bytes, bytes_per_token=info.kv_bytes_per_token
+    )
+
+
+def _greedy_guided(row: Row) -> bool:
+    """Whether a constrained row's next token is an argmax among what a mask
+    allows: greedy, nothing to adjust, no logprobs, and not its first token
+    (whose mask the grammar engine computes as it starts the row, in the
+    sampler). ``suppress`` goes into the mask."""
+    sampling = row.sampling
+    return (
+        row.constraint is not None
+        and not row.first
+        and sampling.greedy
+        and not sampling.logit_bias
+        and not sampling.penalised
+        and not row.logprobs.per_token
     )
 
 

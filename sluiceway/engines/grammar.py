@@ -274,6 +274,30 @@ def allow(mask: Bitmask, token: int) -> Bitmask:
     return widened
 
 
+def every_token(vocab_size: int, *, but: Collection[int] = ()) -> Bitmask:
+    """A mask that allows every id below ``vocab_size`` except ``but``."""
+    keep = np.ones(vocab_size, dtype=np.bool_)
+    keep[list(but)] = False
+    return pack(keep)
+
+
+def pack(keep: npt.NDArray[np.bool_]) -> Bitmask:
+    """One bool per token id as a mask row (the inverse of :func:`allowed_ids`)."""
+    words = (keep.shape[0] + 31) // 32
+    bits = np.zeros(words * 32, dtype=np.bool_)
+    bits[: keep.shape[0]] = keep
+    return np.packbits(bits, bitorder="little").view(np.int32)
+
+
+def without(mask: Bitmask, ids: Collection[int]) -> Bitmask:
+    """A copy of ``mask`` that does not allow ``ids``."""
+    narrowed = mask.copy()
+    words = narrowed.view(np.uint32)
+    for token in ids:
+        words[token // 32] &= ~np.uint32(1 << (token % 32))
+    return narrowed
+
+
 def allowed_ids(mask: Bitmask, vocab_size: int) -> npt.NDArray[np.bool_]:
     """A mask row as one bool per token id."""
     bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab_size]

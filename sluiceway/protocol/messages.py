@@ -182,7 +182,8 @@ def is_argmax(
 ) -> bool:
     """Greedy, with no bias, penalties or grammar mask to apply and no
     logprobs to keep. A constrained row is never one: the engine's argmax
-    (and decoding ahead on it) would ignore what the grammar allows."""
+    would ignore what the grammar allows (a greedy one takes the argmax
+    under a mask the plan carries: ``StepPlan.masks``)."""
     return (
         constraint is None
         and sampling.greedy

@@ -182,7 +182,9 @@ async def run_pipeline(
         ),
         reduce=options.with_reducer,
     )
-    scheduler = Scheduler(model.engine, model.thread, config, handle, sample_inline=sampling.inline)
+    scheduler = Scheduler(
+        model.engine, model.thread, config, handle, sample_inline=sampling.inline, guides=sampling
+    )
     to_sampler_send, to_sampler_receive = anyio.create_memory_object_stream[LogitsStep](1)
     sampled_send, sampled_receive = anyio.create_memory_object_stream[SampledStep](1)
     try:

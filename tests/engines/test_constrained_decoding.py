@@ -16,6 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sluiceway.actors import run_ahead, scheduler
+from sluiceway.actors.engine_work import StepPlan
 from sluiceway.actors.scheduler import SchedulerHandle
 from sluiceway.protocol.constraints import Constraint, ConstraintKind
 from sluiceway.protocol.messages import (
@@ -235,3 +237,67 @@ async def test_a_choice_ended_early_leaves_the_others_constrained(rig: Rig) -> N
     assert len(tokens[0]) <= 3  # the step in flight may still bring one
     assert finishes[1] in (FinishCause.EOS, FinishCause.GRAMMAR)
     validate(rig, Outcome(tokens[1], finishes[1]), WEATHER)
+
+
+def _greedy_guided_requests(rig: Rig) -> list[GenerationRequest]:
+    """Greedy constrained rows (one whose ``min_tokens`` keeps EOS out where
+    the grammar would allow it) beside free greedy ones."""
+    weather = Constraint(kind=ConstraintKind.JSON_SCHEMA, text=json.dumps(WEATHER))
+    letters = Constraint(kind=ConstraintKind.REGEX, text="[a-z]{1,30}")
+    long = generation(rig, "letters", letters, temperature=0.0)
+    return [
+        generation(rig, "json", weather, n=2, temperature=0.0),
+        GenerationRequest(
+            request_id="letters",
+            prompt_ids=long.prompt_ids,
+            sampling=long.sampling,
+            limits=Limits(max_tokens=40, min_tokens=12),
+            constraint=letters,
+        ),
+        *(generation(rig, f"free{i}", None, temperature=0.0, max_tokens=24) for i in range(2)),
+    ]
+
+
+def _tokens(results: dict[str, list[Outcome]]) -> dict[str, list[list[int]]]:
+    for outcomes in results.values():
+        assert all(o.failure is None for o in outcomes), outcomes
+    return {name: [o.tokens for o in outcomes] for name, outcomes in results.items()}
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_greedy_constrained_rows_decoded_ahead_pick_the_samplers_tokens(
+    rig: Rig, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A greedy constrained row's token is the engine's argmax under the mask
+    the plan carried, and the step after it is decoded ahead: bit for bit
+    the tokens the sampler picks when every such step goes through it."""
+    served_masked = 0
+    serves = run_ahead._serves
+
+    def counting(ahead: Any, plan: StepPlan) -> bool:
+        nonlocal served_masked
+        served = serves(ahead, plan)
+        served_masked += served and bool(plan.masks)
+        return served
+
+    monkeypatch.setattr(run_ahead, "_serves", counting)
+    requests = _greedy_guided_requests(rig)
+    ahead = _tokens(rig.run(requests, backend))
+    assert served_masked > 10
+    with monkeypatch.context() as sampled_only:
+        sampled_only.setattr(scheduler, "_greedy_guided", lambda row: False)
+        served_masked = 0
+        through_the_sampler = _tokens(rig.run(requests, backend))
+        assert served_masked == 0
+    assert ahead == through_the_sampler
+    assert not set(ahead["letters"][0]) & rig.tokenizer.eos_ids  # min_tokens held
+
+
+def test_greedy_constrained_rows_in_a_child_process_pick_the_samplers_tokens(
+    child_rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The masks cross to the engine's process with the plan."""
+    requests = _greedy_guided_requests(child_rig)
+    ahead = _tokens(child_rig.run(requests, "trio"))
+    monkeypatch.setattr(scheduler, "_greedy_guided", lambda row: False)
+    assert _tokens(child_rig.run(requests, "trio")) == ahead

@@ -17,9 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluiceway.actors import sampler as sampler_actor
+from sluiceway.actors.engine_work import greedy_picks
 from sluiceway.actors.guide import GuideState, RowGuide
 from sluiceway.actors.sampler import SamplerConfig, StepSampler, sample_step
 from sluiceway.actors.sampling import Sampler, _suppress
+from sluiceway.engines.base import DecodeResult
 from sluiceway.engines.grammar import GrammarEngine, allowed_ids
 from sluiceway.engines.tokenizer import ModelTokenizer
 from sluiceway.protocol.constraints import Constraint, ConstraintKind, ReasoningGate
@@ -372,3 +374,59 @@ async def test_a_small_constrained_step_is_sampled_on_the_loop_after_its_first(
                 await out_receive.receive()
     assert threaded.count("sample_step") == 1
     assert threaded.count("prepare_masks") == 4
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), eos_weight=st.sampled_from([0.0, 6.0, 30.0]))
+def test_the_engines_masked_argmax_picks_the_samplers_greedy_tokens(
+    kit: Kit, seed: int, eos_weight: float
+) -> None:
+    """A greedy step whose guided rows' tokens the engine picks under the
+    masks :meth:`Sampler.allowed` gives (reasoning, ``min_tokens``' suppressed
+    EOS folded in) and :meth:`Sampler.take` consumes: the sampler's tokens."""
+    gate = ReasoningGate(end_id=kit.end_think, inside=True)
+    letters = Constraint(kind=ConstraintKind.REGEX, text="[a-z]{1,30}")
+
+    def rows(step: int) -> list[Row]:
+        eos = (kit.eos,) if step < 10 else ()
+        return [
+            row("json", first=step == 0, temperature=0.0, suppress=eos),
+            row(
+                "gate",
+                first=step == 0,
+                constraint=Constraint.choice(["ab", "cd"], reasoning=gate),
+                temperature=0.0,
+            ),
+            row("letters", first=step == 0, constraint=letters, suppress=eos, temperature=0.0),
+        ]
+
+    def run(engine_picks: bool) -> list[list[int]]:
+        sampler, rng = Sampler(kit.grammars), np.random.default_rng(seed)
+        tokens: list[list[int]] = []
+        live, done = rows(0), set()
+        for step in range(16):
+            logits = rng.normal(0, 3, size=(len(live), VOCAB)).astype(np.float32)
+            logits[:, kit.eos] += eos_weight
+            logits[:, kit.end_think] += 30.0 if step == 4 else -30.0
+            if engine_picks and step > 0:
+                sampler.prepare_masks()
+                masks = sampler.allowed(live)
+                assert masks is not None
+                decoded = DecodeResult(tuple(range(len(live))), logits)
+                picks = greedy_picks(decoded, dict(enumerate(masks))).tolist()
+                report = sampler.take(live, picks)
+            else:
+                result = sampler.sample(logits, live)
+                picks, report = result.token_ids.tolist(), result.constraints
+            assert report is not None
+            assert not report.failed
+            tokens.append(picks)
+            done |= {live[i].key for i in report.complete} | {
+                r.key for r, t in zip(live, picks, strict=True) if t == kit.eos
+            }
+            live = [r for r in rows(step + 1) if r.key not in done]
+            if not live:
+                break
+        return tokens
+
+    assert run(engine_picks=True) == run(engine_picks=False)

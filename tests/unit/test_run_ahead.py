@@ -3,7 +3,9 @@
 A fake engine whose logits depend on each slot's whole token history (so a
 step applied twice, lost, or applied to the wrong row shows up at once) runs a
 random schedule twice: once plainly, once through :class:`RunAhead`. Every
-outcome, and the engine's final state, must be the same.
+outcome, and the engine's final state, must be the same. Some greedy rows
+carry a grammar mask: the engine's pick is the argmax among what it allows,
+and the step decoded ahead feeds that pick.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from hypothesis import strategies as st
 from sluiceway.actors.engine_work import PrefillWork, StepOutcome, StepPlan, execute
 from sluiceway.actors.run_ahead import RunAhead
 from sluiceway.engines.base import DecodeResult, EngineInfo, Logits
+from sluiceway.engines.grammar import allowed_ids, pack
 
 VOCAB = 12
 
@@ -115,16 +118,38 @@ class Schedule:
                 prefills.append(
                     PrefillWork(request_id=f"r{slot}", slot=slot, tokens=(1,), final=True)
                 )
-        return StepPlan(frees=frees, prefills=tuple(prefills), decode=dict(decode), greedy=greedy)
+        masks = {}
+        if greedy:
+            # Constrained rows: the engine picks among what each mask allows.
+            for slot in decode:
+                if draw(st.integers(0, 2)) == 0:
+                    allowed = draw(st.lists(st.booleans(), min_size=VOCAB, max_size=VOCAB))
+                    masks[slot] = pack(np.array(allowed) | (np.arange(VOCAB) == slot % VOCAB))
+        return StepPlan(
+            frees=frees, prefills=tuple(prefills), decode=dict(decode), greedy=greedy, masks=masks
+        )
 
     def absorb(self, plan: StepPlan, outcome: StepOutcome) -> None:
         if outcome.decode is not None:
-            argmax = outcome.decode.logits.argmax(axis=-1).tolist()
-            for slot, token in zip(outcome.decode.slots, argmax, strict=True):
+            picks = outcome.decode_greedy
+            if picks is None:
+                picks = outcome.decode.logits.argmax(axis=-1)
+            else:
+                _check_picks(plan, outcome.decode, picks.tolist())
+            for slot, token in zip(outcome.decode.slots, picks.tolist(), strict=True):
                 self.tokens[slot] = int(token)
         for work, prefilled in zip(plan.prefills, outcome.prefills, strict=True):
             if work.final and prefilled.logits is not None:
                 self.joining[work.slot] = int(prefilled.logits[-1].argmax())
+
+
+def _check_picks(plan: StepPlan, decoded: DecodeResult, picks: list[int]) -> None:
+    """Each pick is the argmax of its row among the ids its mask allows."""
+    for slot, row, pick in zip(decoded.slots, decoded.logits, picks, strict=True):
+        mask = plan.masks.get(slot)
+        allowed = np.ones(VOCAB, dtype=bool) if mask is None else allowed_ids(mask, VOCAB)
+        assert allowed[pick]
+        assert pick == int(np.where(allowed, row, -np.inf).argmax())
 
 
 def same_outcome(left: StepOutcome, right: StepOutcome) -> None:
