@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -153,6 +154,19 @@ def test_text_frames_with_logprobs_match_the_models(
         assert json.loads(framed[6:]) == json.loads(slow.encode(Deltas(deltas=(delta,)))[6:])
 
 
+def _completion_encoders(
+    **options: Any,
+) -> tuple[CompletionStreamEncoder, CompletionStreamEncoder]:
+    """Two encoders of one reply: the first frames from its template, the
+    second always builds the models."""
+    config = CompletionReplyConfig(
+        completion_id="cmpl-1", created=7, model='m"odel', n=3, jobs=1, **options
+    )
+    fast, slow = CompletionStreamEncoder(config), CompletionStreamEncoder(config)
+    slow._fragments.plain = lambda _: None  # type: ignore[method-assign]
+    return fast, slow
+
+
 @given(
     texts=st.lists(st.tuples(st.integers(0, 2), st.text()), min_size=1, max_size=6),
     usage=st.booleans(),
@@ -162,22 +176,9 @@ def test_text_frames_with_logprobs_match_the_models(
 def test_completion_text_frames_match_the_models(
     texts: list[tuple[int, str]], usage: bool, logprobs: int | None, with_ids: bool
 ) -> None:
-    def encoder() -> CompletionStreamEncoder:
-        return CompletionStreamEncoder(
-            CompletionReplyConfig(
-                completion_id="cmpl-1",
-                created=7,
-                model='m"odel',
-                n=3,
-                jobs=1,
-                logprobs=logprobs,
-                include_usage=usage,
-                prompt_token_ids=((4, 5),) if with_ids else None,
-            )
-        )
-
-    fast, slow = encoder(), encoder()
-    slow._fragments.plain = lambda _: None  # type: ignore[method-assign]
+    fast, slow = _completion_encoders(
+        logprobs=logprobs, include_usage=usage, prompt_token_ids=((4, 5),) if with_ids else None
+    )
     # Every delta before the last carries no logprobs; the last one does,
     # and its text_offset shows whether the fast path counted the text
     # already sent.
@@ -214,22 +215,9 @@ def test_completion_frames_with_logprobs_match_the_models(
     pydantic models give (alternatives that read alike share a key), and
     the text offsets count the text the fast path sent before."""
 
-    def encoder() -> CompletionStreamEncoder:
-        return CompletionStreamEncoder(
-            CompletionReplyConfig(
-                completion_id="cmpl-1",
-                created=7,
-                model='m"odel',
-                n=3,
-                jobs=1,
-                logprobs=top,
-                tokens_as_ids=as_ids,
-                prompt_token_ids=((4, 5),) if with_ids else None,
-            )
-        )
-
-    fast, slow = encoder(), encoder()
-    slow._fragments.plain = lambda _: None  # type: ignore[method-assign]
+    fast, slow = _completion_encoders(
+        logprobs=top, tokens_as_ids=as_ids, prompt_token_ids=((4, 5),) if with_ids else None
+    )
     for _ in range(data.draw(st.integers(1, 4))):
         entries = data.draw(_entries(vocab))
         offsets = tuple(
