@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/loop_ab.py --tree-b ../other-checkout [--phases 16]
     .venv/bin/python bench/loop_ab.py --args-b='--worker-class trio'
+    .venv/bin/python bench/loop_ab.py --tree-b /tmp/other --concurrency 64 --whole-process
     .venv/bin/python bench/loop_ab.py --tree-a /tmp/base --api chat \
         --body '{"temperature": 1, "seed": 7, "logprobs": true, "top_logprobs": 5}'
 
@@ -11,7 +12,8 @@ model's pace at concurrency 1), so the cores stay free and what is measured
 is the server's own pipeline. The load goes to one server, then the other,
 in short phases (one request per client each), and for each phase the event
 loop thread's on-CPU time (``/proc/PID/task/PID/schedstat``, nanoseconds) is
-divided by the tokens streamed. Alternating cancels the host's drift, which
+divided by the tokens streamed (``--whole-process``: every thread's, for a
+change that moves work between the loop and worker threads). Alternating cancels the host's drift, which
 moves whole bench runs by 5-10%: the paired difference resolves about
 ±20 µs per token in 16 phases, where separate runs minutes apart did not
 resolve ±60.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -126,9 +129,16 @@ class Server:
     url: str
     log: IO[bytes]
 
-    def loop_cpu_ns(self) -> int:
+    def cpu_ns(self, whole: bool) -> int:
+        """On-CPU nanoseconds of the event loop's thread, or of every thread
+        (``--whole-process``: a change that moves work to worker threads)."""
         pid = self.process.pid
-        return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0])
+        tasks = Path(f"/proc/{pid}/task")
+        total = 0
+        for task in tasks.iterdir() if whole else [tasks / str(pid)]:
+            with contextlib.suppress(OSError):  # a thread that just ended
+                total += int((task / "schedstat").read_text().split()[0])
+        return total
 
 
 def start(name: str, tree: Path, port: int, model: Path, step_ms: float, args: str) -> Server:
@@ -160,13 +170,13 @@ async def phase(
     """Stream one request per client; the loop's CPU per streamed token, in µs."""
     extra = tuple(json.loads(shape.body).items())
     target = Target(server.url, str(model), api=shape.api, extra=extra)
-    before = server.loop_cpu_ns()
+    before = server.cpu_ns(shape.whole_process)
     level = await run_level(
         target, prompts, concurrency=concurrency, requests_per_client=1, max_tokens=128
     )
     if level.errors:
         raise RuntimeError(f"{server.name}: {level.first_errors()}")
-    return (server.loop_cpu_ns() - before) / 1e3 / level.tokens
+    return (server.cpu_ns(shape.whole_process) - before) / 1e3 / level.tokens
 
 
 async def compare(args: argparse.Namespace, model: Path) -> dict[str, list[float]]:
@@ -216,6 +226,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--api", choices=["completions", "chat"], default="completions")
     parser.add_argument("--body", default="{}", help="more fields for every request (JSON)")
     parser.add_argument("--port", type=int, default=8861)
+    parser.add_argument(
+        "--whole-process",
+        action="store_true",
+        help="count every thread's CPU, not only the event loop's",
+    )
     parser.add_argument("--serve-step-ms", type=float, help=argparse.SUPPRESS)
     parser.add_argument("serve_args", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

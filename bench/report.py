@@ -36,6 +36,9 @@ class Settings:
     #: Rounds of (bare, our level, bare, the peer's level) at each concurrency
     #: the bare engine has a batch size for; each server's median round is reported.
     paired_rounds: int = 1
+    #: More fields for every request's body (``--body``/``--load``): sampling,
+    #: logprobs; empty is greedy.
+    body: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,8 @@ One command builds (once, cached) the models, then for each engine:
   a plain decode loop at batch 1, 4, 16 -- the ceiling;
 * **sluiceway** (``sluiceway serve --max-num-seqs 64``) under a loopback load
   generator (``bench/loadgen.py``): streaming ``/v1/completions`` clients,
-  greedy, every prompt exactly ``--prompt-tokens`` tokens with the model's
+  greedy (``--load sampled`` / ``top5``, or any ``--body`` fields, for
+  other loads), every prompt exactly ``--prompt-tokens`` tokens with the model's
   tokenizer (each request its own prompt), ``max_tokens`` fixed with
   ``ignore_eos``, at concurrency 1, 4, 16, 64, after a warm-up;
   each of those levels runs ``--paired-rounds`` times (3), each round between two
@@ -31,7 +32,7 @@ the targets met or missed, and our pipeline's cost per streamed token.
     .venv/bin/python bench/serve.py [--engine transformers|mlx|both] [--quick]
         [--models large tiny] [--concurrency 1 4 16 64] [--no-peers] [--trace]
         [--server-args='--engine-process'] [--server-env K=V ...]
-        [--output bench/serve-results.md]
+        [--load greedy|sampled|top5] [--body JSON] [--output bench/serve-results.md]
 
 The default run takes about 17 minutes on a 2-core host, ``--quick`` about 3.
 The host is measured for other load (``bench/hostload.py``): a measurement
@@ -197,14 +198,39 @@ def server_command(
     ]
 
 
-def target_for(server: str, port: int, model: Path) -> Target:
+#: ``--load``: the request bodies beside greedy. The bare engine stays a greedy
+#: argmax loop, so decode ÷ bare then includes sampling (and the logprobs).
+LOADS: dict[str, dict[str, object]] = {
+    "greedy": {},
+    "sampled": {"temperature": 1.0, "seed": 7},
+    "top5": {"temperature": 1.0, "seed": 7, "logprobs": 5},
+}
+
+
+def target_for(
+    server: str, port: int, model: Path, body: tuple[tuple[str, object], ...] = ()
+) -> Target:
     url = f"http://127.0.0.1:{port}"
     if server == OURS:
-        return Target(url, str(model))
+        return Target(url, str(model), extra=body)
     if server == "mlx_lm.server":  # ignores unknown fields: ignore_eos would be silently dropped
-        return Target(url, str(model), ignore_eos=False)
+        return Target(url, str(model), ignore_eos=False, extra=body)
     # transformers serve refuses unknown fields (422), and sends usage unasked.
-    return Target(url, str(model), ignore_eos=False, include_usage=False)
+    return Target(url, str(model), ignore_eos=False, include_usage=False, extra=body)
+
+
+def load_body(load: str, body: str) -> tuple[tuple[str, object], ...]:
+    """The fields ``--load`` names, then ``--body``'s (JSON) over them."""
+    extra = json.loads(body)
+    if not isinstance(extra, dict):
+        raise SystemExit("--body takes a JSON object")
+    return tuple({**LOADS[load], **extra}.items())
+
+
+def describe_load(body: tuple[tuple[str, object], ...]) -> str:
+    if not body:
+        return "greedy"
+    return "with " + ", ".join(f"`{key}: {json.dumps(value)}`" for key, value in body)
 
 
 # --- running ----------------------------------------------------------------
@@ -328,7 +354,7 @@ def start_server(
     )
     # The same prompts, in the same order, for every server.
     prompts = itertools.cycle(section.model.prompts)
-    target = target_for(server, port, section.model.path)
+    target = target_for(server, port, section.model.path, settings.body)
     return Server(ServerRun(server), process, target, log, prompts, trace)
 
 
@@ -599,6 +625,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         metavar="'FLAGS'",
         help="extra flags for our server only, given with '=': --server-args='--engine-process'",
     )
+    parser.add_argument(
+        "--load",
+        choices=sorted(LOADS),
+        default="greedy",
+        help="what every request asks for: greedy, sampled (temperature 1, seeded), "
+        "or sampled with top-5 logprobs",
+    )
+    parser.add_argument(
+        "--body", default="{}", metavar="JSON", help="more fields for every request (over --load's)"
+    )
     parser.add_argument("--output", type=Path, default=HERE / "serve-results.md")
     args = parser.parse_args(argv)
 
@@ -619,6 +655,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         server_env=tuple(tuple(item.split("=", 1)) for item in args.server_env),  # type: ignore[misc]
         server_args=tuple(shlex.split(args.server_args)),
         paired_rounds=1 if args.quick else max(1, args.paired_rounds),
+        body=load_body(args.load, args.body),
     )
     engines = ["transformers", "mlx"] if args.engine == "both" else [args.engine]
     started = time.perf_counter()
@@ -668,7 +705,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     header = (
         f"# sluiceway serving benchmark\n\n"
         f"{'Quick smoke run. ' if args.quick else ''}"
-        f"Streaming `/v1/completions`, greedy, prompt {settings.prompt_tokens} tokens "
+        f"Streaming `/v1/completions`, {describe_load(settings.body)}, "
+        f"prompt {settings.prompt_tokens} tokens "
         f"(each request its own), max_tokens {settings.max_tokens} "
         f"(`ignore_eos` sent to sluiceway; the peers do not take it, and their tokens are "
         f"counted as received), concurrency {', '.join(map(str, concurrency))} with "

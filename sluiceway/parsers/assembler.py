@@ -159,6 +159,24 @@ class ChunkAssembler:
         self._unresolved.append(token)
         self._open[token] = open_channel
 
+    def sole_content(self, token: int, text: str) -> Chunk | None:
+        """The chunk of a token whose text all goes to content and resolves
+        at once, when no earlier token waits: what ``register`` then
+        ``assemble`` give for it, without routing a span. ``None`` when an
+        earlier token is unresolved or an entry waits for a chunk (then the
+        general path decides)."""
+        pending = self._pending
+        if (
+            self._unresolved
+            or pending[Channel.CONTENT]
+            or pending[Channel.REASONING]
+            or pending[Channel.TOOL_CALL]
+        ):
+            return None
+        self._floor = token + 1
+        self.counts[Channel.CONTENT] += 1
+        return Chunk(content=text, content_tokens=(token,), content_offsets=(0,))
+
     def assemble(self, events: Iterable[Event], watermark: int) -> list[Chunk]:
         """Route one step's events into chunks; then resolve tokens below ``watermark``."""
         builders = [_ChunkBuilder()]

@@ -39,6 +39,14 @@ class TextStage(Protocol):
         """The channel open after this stage, given the one open upstream of it."""
         ...
 
+    @property
+    def transparent(self) -> bool:
+        """Whether the stage now hands content on as it comes: feeding it a
+        content span would return that span, it holds nothing, and content
+        stays open after it. The pipeline may then not feed it (a reasoning
+        parser past ``</think>``)."""
+        ...
+
 
 class StopStage(TextStage, Protocol):
     """A stage that can end the output (the stop-string matcher)."""
@@ -101,6 +109,12 @@ class ChoicePipeline:
         text = self._detokenizer.feed(token_id) if visible else ""
         if not self._detokenizer.pending:
             self._partial_from = None
+            if text and self._transparent():
+                # Most tokens of a plain reply: the text is the token's own,
+                # complete, no stage would touch it, and nothing waits before it.
+                chunk = self._assembler.sole_content(token, text)
+                if chunk is not None:
+                    return [chunk]
         elif text or self._partial_from is None:
             self._partial_from = token
         events: list[Event] = [content(token, text)] if text else []
@@ -119,6 +133,9 @@ class ChoicePipeline:
             events = stage.feed(events) + stage.finish()
         chunks = self._assembler.assemble(events, self.tokens_fed)
         return Finished(tuple(chunks), self._assembler.final())
+
+    def _transparent(self) -> bool:
+        return all(stage.transparent for stage in self._stages)
 
     def _open_channel(self) -> Channel:
         channel = Channel.CONTENT

@@ -156,6 +156,10 @@ class ReasoningParser(SpanStage):
             return self._scanner.held_from
         return None
 
+    @property
+    def transparent(self) -> bool:
+        return self._state is ReasoningState.CONTENT
+
     def open_channel(self, upstream: Channel) -> Channel:
         if self._state is ReasoningState.REASONING or (
             self._state is ReasoningState.START and self.dialect.starts_in_reasoning

@@ -73,6 +73,11 @@ class SpanStage(abc.ABC):
         return out
 
     @property
+    def transparent(self) -> bool:
+        """See :class:`~sluiceway.parsers.pipeline.TextStage`; no by default."""
+        return False
+
+    @property
     @abc.abstractmethod
     def held_from(self) -> int | None:
         """The smallest owner token of text this stage holds back, if any."""

@@ -347,6 +347,10 @@ class Recorder:
     def open_channel(self, upstream: Channel) -> Channel:
         return upstream
 
+    @property
+    def transparent(self) -> bool:
+        return False  # it must see every step to record it
+
 
 @dataclass
 class PipelineRun:

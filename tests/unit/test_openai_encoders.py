@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import replace
+from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluiceway.protocol.messages import (
@@ -119,6 +120,7 @@ def _entries(draw: st.DrawFn, vocab: dict[int, tuple[str, list[int]]]) -> tuple[
     return tuple(entries)
 
 
+@settings(deadline=None)  # a busy host's first examples are slow
 @given(data=st.data(), vocab=_VOCAB, as_ids=st.booleans(), with_ids=st.booleans())
 def test_text_frames_with_logprobs_match_the_models(
     data: st.DataObject, vocab: dict[int, tuple[str, list[int]]], as_ids: bool, with_ids: bool
@@ -152,6 +154,19 @@ def test_text_frames_with_logprobs_match_the_models(
         assert json.loads(framed[6:]) == json.loads(slow.encode(Deltas(deltas=(delta,)))[6:])
 
 
+def _completion_encoders(
+    **options: Any,
+) -> tuple[CompletionStreamEncoder, CompletionStreamEncoder]:
+    """Two encoders of one reply: the first frames from its template, the
+    second always builds the models."""
+    config = CompletionReplyConfig(
+        completion_id="cmpl-1", created=7, model='m"odel', n=3, jobs=1, **options
+    )
+    fast, slow = CompletionStreamEncoder(config), CompletionStreamEncoder(config)
+    slow._fragments.plain = lambda _: None  # type: ignore[method-assign]
+    return fast, slow
+
+
 @given(
     texts=st.lists(st.tuples(st.integers(0, 2), st.text()), min_size=1, max_size=6),
     usage=st.booleans(),
@@ -161,25 +176,12 @@ def test_text_frames_with_logprobs_match_the_models(
 def test_completion_text_frames_match_the_models(
     texts: list[tuple[int, str]], usage: bool, logprobs: int | None, with_ids: bool
 ) -> None:
-    def encoder() -> CompletionStreamEncoder:
-        return CompletionStreamEncoder(
-            CompletionReplyConfig(
-                completion_id="cmpl-1",
-                created=7,
-                model='m"odel',
-                n=3,
-                jobs=1,
-                logprobs=logprobs,
-                include_usage=usage,
-                prompt_token_ids=((4, 5),) if with_ids else None,
-            )
-        )
-
-    fast, slow = encoder(), encoder()
-    slow._fragments.text_only = lambda _: False  # type: ignore[method-assign]
-    # Every delta before the last carries no logprobs; the last one does
-    # one, so it takes the model path wherever logprobs were asked for, and its
-    # text_offset shows whether the fast path counted the text already sent.
+    fast, slow = _completion_encoders(
+        logprobs=logprobs, include_usage=usage, prompt_token_ids=((4, 5),) if with_ids else None
+    )
+    # Every delta before the last carries no logprobs; the last one does,
+    # and its text_offset shows whether the fast path counted the text
+    # already sent.
     entry = LogprobEntry(token="x", token_id=1, logprob=-0.5, bytes=(120,), top_logprobs=())
     scored = ChoiceLogprobs(content=(entry,), content_offsets=(0,))
     deltas = [
@@ -188,6 +190,49 @@ def test_completion_text_frames_match_the_models(
     ]
     deltas.append(ChoiceDelta(index=texts[0][0], content="x", logprobs=scored))
     for delta in deltas:
+        framed = fast.encode(Deltas(deltas=(delta,)))
+        assert framed.startswith(b"data: ")
+        assert framed.index(b"\n") == len(framed) - 2
+        assert json.loads(framed[6:]) == json.loads(slow.encode(Deltas(deltas=(delta,)))[6:])
+
+
+@settings(deadline=None)
+@given(
+    data=st.data(),
+    vocab=_VOCAB,
+    top=st.sampled_from([0, 2, 5]),
+    as_ids=st.booleans(),
+    with_ids=st.booleans(),
+)
+def test_completion_frames_with_logprobs_match_the_models(
+    data: st.DataObject,
+    vocab: dict[int, tuple[str, list[int]]],
+    top: int,
+    as_ids: bool,
+    with_ids: bool,
+) -> None:
+    """Completions' logprobs written from per-id keys parse to what the
+    pydantic models give (alternatives that read alike share a key), and
+    the text offsets count the text the fast path sent before."""
+
+    fast, slow = _completion_encoders(
+        logprobs=top, tokens_as_ids=as_ids, prompt_token_ids=((4, 5),) if with_ids else None
+    )
+    for _ in range(data.draw(st.integers(1, 4))):
+        entries = data.draw(_entries(vocab))
+        offsets = tuple(
+            sorted(
+                data.draw(st.lists(st.integers(0, 9), min_size=len(entries), max_size=len(entries)))
+            )
+        )
+        delta = ChoiceDelta(
+            index=data.draw(st.integers(0, 2)),
+            content=data.draw(st.text()),
+            logprobs=data.draw(
+                st.none() | st.just(ChoiceLogprobs(content=entries, content_offsets=offsets))
+            ),
+            token_ids=tuple(data.draw(st.lists(st.integers(0, 99), max_size=3))),
+        )
         framed = fast.encode(Deltas(deltas=(delta,)))
         assert framed.startswith(b"data: ")
         assert framed.index(b"\n") == len(framed) - 2

@@ -30,6 +30,7 @@ from sluiceway.surfaces.openai.encoding import (
     KEEPALIVE,
     finish_reason,
     ids_json,
+    number_json,
     prompt_entries_wire,
     token_text,
     usage_wire,
@@ -193,18 +194,19 @@ class CompletionFragments:
             fragments.append(fragment)
         return fragments
 
-    def text_only(self, delta: ChoiceDelta) -> bool:
-        """Whether the delta's fragment is just its index and text; if so, it
-        is counted as sent."""
+    def plain(self, delta: ChoiceDelta) -> int | None:
+        """When the delta's fragment is just its index, text and logprobs (and
+        ids), the choice's text offset before it; it then counts as sent.
+        ``None`` for any other fragment."""
         if (
             delta.finish is not None
-            or (delta.logprobs is not None and self.config.logprobs is not None)
             or delta.index in self._waiting_prompt
             or delta.index in self._ids_due
         ):
-            return False
-        self._emitted[delta.index] += len(delta.content)
-        return True
+            return None
+        base = self._emitted[delta.index]
+        self._emitted[delta.index] = base + len(delta.content)
+        return base
 
     def fragment(self, delta: ChoiceDelta) -> CompletionChoiceWire:
         fragment = CompletionChoiceWire(
@@ -234,10 +236,67 @@ class CompletionFragments:
         return self._with_ids(fragment, delta.token_ids)
 
 
+class LogprobsJson:
+    """A streamed fragment's ``logprobs`` as JSON text: what
+    ``CompletionLogprobsWire.to_json()`` gives for it.
+
+    As for chat (``EntryJson``), building and dumping the models cost more
+    than the rest of a token's frame. A token's key in ``top_logprobs`` (its
+    text, or ``token_id:N``) is made once per id and stream; only the numbers
+    are written per entry. ``top_logprobs`` is a JSON object keyed by text, so
+    two alternatives that read alike share one key, holding the later one's
+    logprob where the first one stood, as the model's dict does.
+    """
+
+    __slots__ = ("_as_ids", "_keys", "_top")
+
+    def __init__(self, top: int, as_ids: bool) -> None:
+        self._top = top
+        self._as_ids = as_ids
+        #: By id: the token's text and that text as a JSON string.
+        self._keys: dict[int, tuple[str, bytes]] = {}
+
+    def _key(self, token: str, token_id: int) -> tuple[str, bytes]:
+        found = self._keys.get(token_id)
+        if found is None:
+            text = token_text(token, token_id, self._as_ids)
+            found = self._keys[token_id] = (text, json_string(text))
+        return found
+
+    def _alternatives(self, entry: LogprobEntry) -> bytes:
+        found: dict[str, tuple[bytes, float]] = {}
+        for top in entry.top_logprobs[: self._top]:
+            text, key = self._key(top.token, top.token_id)
+            found[text] = (key, top.logprob)
+        return b"{" + b",".join(key + b":" + number_json(v) for key, v in found.values()) + b"}"
+
+    def json(self, entries: tuple[LogprobEntry, ...], offsets: list[int]) -> bytes:
+        tokens = b",".join(self._key(entry.token, entry.token_id)[1] for entry in entries)
+        logprobs = b",".join(number_json(entry.logprob) for entry in entries)
+        tops = b",".join(self._alternatives(entry) for entry in entries)
+        text = (
+            b'{"tokens":[' + tokens + b'],"token_logprobs":[' + logprobs
+            + b'],"top_logprobs":[' + tops
+            + b'],"text_offset":[' + ",".join(map(str, offsets)).encode() + b"]"
+        )  # fmt: skip
+        if any(entry.requested for entry in entries):
+            scored = b",".join(_requested(entry) for entry in entries)
+            text += b',"token_id_logprobs":[' + scored + b"]"
+        return text + b"}"
+
+
+def _requested(entry: LogprobEntry) -> bytes:
+    scores = dict(entry.requested)  # one key per id, as the model's dict has
+    return b"{" + b",".join(b'"%d":' % t + number_json(v) for t, v in scores.items()) + b"}"
+
+
 class CompletionStreamEncoder:
     def __init__(self, config: CompletionReplyConfig) -> None:
         self._fragments = CompletionFragments(config)
         self._config = config
+        self._logprobs = (
+            None if config.logprobs is None else LogprobsJson(config.logprobs, config.tokens_as_ids)
+        )
         # Most frames of a stream carry only text: a template around the index
         # and the text is several times cheaper than building and dumping models.
         self._with_ids = config.prompt_token_ids is not None
@@ -247,6 +306,9 @@ class CompletionStreamEncoder:
         head, _, tail = self._chunk(bare_choice).partition(b'{"index":0,"text":""')
         before, marker, after = tail.partition(b'"token_ids":[')
         self._head, self._tail, self._ids_tail = head + b'{"index":', before + marker, after
+        no_logprobs = b',"logprobs":null'
+        assert self._tail.startswith(no_logprobs), "the template's logprobs follow its text"
+        self._after_logprobs = self._tail[len(no_logprobs) :]
 
     def _chunk(self, fragment: CompletionChoiceWire) -> bytes:
         chunk = Completion(
@@ -286,10 +348,18 @@ class CompletionStreamEncoder:
         return frames
 
     def _delta_frame(self, delta: ChoiceDelta) -> bytes:
-        if not self._fragments.text_only(delta):
+        base = self._fragments.plain(delta)
+        if base is None:
             return self._chunk(self._fragments.fragment(delta))
         text = json_string(delta.content)
-        frame = self._head + str(delta.index).encode() + b',"text":' + text + self._tail
+        frame = self._head + str(delta.index).encode() + b',"text":' + text
+        logprobs = delta.logprobs
+        if logprobs is None or self._logprobs is None:
+            frame += self._tail
+        else:
+            offsets = [base + offset for offset in logprobs.content_offsets]
+            entries = self._logprobs.json(logprobs.content, offsets)
+            frame += b',"logprobs":' + entries + self._after_logprobs
         if self._with_ids:
             frame += ids_json(delta.token_ids) + self._ids_tail
         return frame

@@ -122,10 +122,12 @@ class EntryJson:
         tops = []
         for top in entry.top_logprobs:
             top_head, top_raw = self._piece(top.token, top.token_id, top.bytes)
-            tops.append(top_head + _number(top.logprob) + top_raw + b"}")
-        text = head + _number(entry.logprob) + raw + b',"top_logprobs":[' + b",".join(tops) + b"]"
+            tops.append(top_head + number_json(top.logprob) + top_raw + b"}")
+        text = (
+            head + number_json(entry.logprob) + raw + b',"top_logprobs":[' + b",".join(tops) + b"]"
+        )
         if entry.requested:
-            requested = (b'"%d":' % t + _number(v) for t, v in entry.requested)
+            requested = (b'"%d":' % t + number_json(v) for t, v in entry.requested)
             text += b',"token_id_logprobs":{' + b",".join(requested) + b"}"
         return text + b"}"
 
@@ -133,7 +135,8 @@ class EntryJson:
         return b"[" + b",".join(self.entry(entry) for entry in entries) + b"]"
 
 
-def _number(value: float) -> bytes:
+def number_json(value: float) -> bytes:
+    """A logprob as JSON text."""
     # repr is the shortest text that reads back as the same double, as
     # pydantic's serialiser writes it (the exponent's spelling may differ);
     # like pydantic, a non-finite number is null (the reducer floors them).
