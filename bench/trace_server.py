@@ -75,9 +75,9 @@ def install() -> None:
         # the engine's wait, so not a segment.
         return apply(self, *args)
 
-    def timed_plan(self: Any) -> Any:
+    def timed_plan(self: Any, *args: Any) -> Any:
         _mark("plan")
-        return plan(self)
+        return plan(self, *args)
 
     start_step = run_ahead.SteppingThread.start
 
