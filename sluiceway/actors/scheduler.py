@@ -506,7 +506,9 @@ class Scheduler:
         (by slot): asked for only when every other decoding row is plain,
         else the step is sampled anyway and the sampler masks it."""
         guides = self._guides
-        if guides is None:
+        # The common step has no constrained row: decide that from the specs,
+        # without building a Row per running choice before every plan.
+        if guides is None or all(c.request.spec.constraint is None for c in self._rows.values()):
             return {}
         guided: list[_Choice] = []
         for choice in self._rows.values():
