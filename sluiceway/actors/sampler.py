@@ -130,6 +130,10 @@ class StepSampler:
         await self.settle()
         return self.sampler.take(rows, token_ids)
 
+    def hold(self, keys: frozenset[tuple[str, int]]) -> None:
+        """Keep the state of these choices while they are out of the batch."""
+        self.sampler.held = keys
+
     async def settle(self) -> None:
         """Wait for masks being computed in a worker thread, if they are."""
         if self._masks is not None:

@@ -60,6 +60,10 @@ class Sampler:
 
     def __init__(self, grammars: GrammarEngine | None = None) -> None:
         self._states: dict[tuple[str, int], RowState] = {}
+        #: Choices out of the batch for a while (paused for a slow reader,
+        #: or being prefilled back): their seeded stream, penalty counts and
+        #: walk through their grammar must survive their absence from steps.
+        self.held: frozenset[tuple[str, int]] = frozenset()
         self._grammars = grammars
 
     def __len__(self) -> int:
@@ -158,9 +162,10 @@ class Sampler:
 
     def _sync_states(self, rows: Sequence[Row]) -> list[RowState]:
         # Every running row is in every step, so a row missing from this step
-        # has finished and its state can go.
+        # has finished and its state can go, unless it is only paused.
         live = {row.key for row in rows}
-        for key in [key for key in self._states if key not in live]:
+        held = self.held
+        for key in [key for key in self._states if key not in live and key not in held]:
             del self._states[key]
         states = []
         for row in rows:

@@ -125,6 +125,11 @@ class Guides(Protocol):
         """Advance the rows' grammars by the tokens the engine picked."""
         ...
 
+    def hold(self, keys: frozenset[tuple[str, int]]) -> None:
+        """Keep the sampling state of these choices (paused) although they
+        are missing from the steps."""
+        ...
+
 
 @runtime_checkable
 class Restartable(Protocol):
@@ -310,6 +315,8 @@ class Scheduler:
         self._rows: dict[int, _Choice] = {}
         #: Choices out of the batch because their reader fell behind.
         self._paused: list[_Choice] = []
+        #: The paused choices the sampler was last told to keep the state of.
+        self._held: frozenset[tuple[str, int]] = frozenset()
         self._restoring: dict[int, _Restore] = {}
         self._to_free: list[int] = []
         self._next_slot = 0
@@ -539,6 +546,7 @@ class Scheduler:
             prefills.append(work)
         restores = self._plan_restores(budget)
         budget -= sum(len(work.tokens) for work in restores)
+        self._hold_paused()
         prefills += restores
         while budget > 0 and self._can_admit():
             request = self._admit(self._waiting.popleft())
@@ -585,6 +593,18 @@ class Scheduler:
                     "request %s stalled: its client stopped reading", request.spec.request_id
                 )
                 self._fail(request, "the client stopped reading", FailureCause.STALLED)
+
+    def _hold_paused(self) -> None:
+        """Tell the sampler which choices are out of the batch: it forgets
+        a row missing from a step, and a paused one must come back with its
+        seeded stream and its grammar where they were."""
+        if self._guides is None or not (self._paused or self._restoring or self._held):
+            return
+        out = [*self._paused, *(restore.choice for restore in self._restoring.values())]
+        held = frozenset((c.request.spec.request_id, c.index) for c in out)
+        if held != self._held:
+            self._held = held
+            self._guides.hold(held)
 
     def _stalled(self, request: _Request) -> bool:
         timeout = self._config.stall_timeout

@@ -1,10 +1,12 @@
 """A request whose reader falls behind leaves the batch (its KV cache freed)
 and is prefilled back when the reader catches up: on both real engines, its
-tokens are exactly those of a run that never paused, and a request beside it
-is not held up."""
+tokens are exactly those of a run that never paused (greedy, seeded, and
+constrained by a grammar), and a request beside it is not held up."""
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 
 from sluiceway.actors.channels import open_mailbox
 from sluiceway.actors.scheduler import SchedulerHandle
+from sluiceway.protocol.constraints import Constraint, ConstraintKind
 from sluiceway.protocol.messages import GenerationRequest, Limits, RequestOutput, SamplingParams
 from tests.engines.conftest import ENGINES
 from tests.engines.constrained_rig import Rig, open_rig, with_pipeline
@@ -33,6 +36,25 @@ def greedy(rig: Rig, name: str, max_tokens: int, n: int = 1) -> GenerationReques
         n=n,
         sampling=SamplingParams(temperature=0.0),
         limits=Limits(max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+#: Long enough to pause three times; a grammar that restarted after a pause
+#: would ask for another "<" in the middle.
+PATTERN = r"<[0-9]{150}>"
+
+
+def seeded(
+    rig: Rig, name: str, *, constrained: bool, temperature: float = 1.0, max_tokens: int = 200
+) -> GenerationRequest:
+    constraint = Constraint(kind=ConstraintKind.REGEX, text=PATTERN) if constrained else None
+    return GenerationRequest(
+        request_id=name,
+        prompt_ids=tuple(rig.tokenizer.encode_prompt("Count for me.")),
+        n=2,
+        sampling=SamplingParams(temperature=temperature, seed=11),
+        limits=Limits(max_tokens=max_tokens, ignore_eos=not constrained),
+        constraint=constraint,
     )
 
 
@@ -71,6 +93,36 @@ def test_a_paused_request_resumes_with_the_same_tokens(rig: Rig) -> None:
         assert paused == expected
         assert [len(choice) for choice in paused] == [120, 120]
         assert handle.paused_requests == 0
+
+    anyio.run(with_pipeline, rig.model, body)
+
+
+@pytest.mark.parametrize("kind", ["sampled", "sampled-constrained", "greedy-constrained"])
+def test_a_paused_request_keeps_its_seed_and_its_grammar(rig: Rig, kind: str) -> None:
+    """The sampler keeps a paused choice's random stream and grammar walk:
+    the tokens after each pause continue the same run."""
+    constrained = kind.endswith("constrained")
+    temperature = 0.0 if kind.startswith("greedy") else 1.0
+
+    def spec(name: str) -> GenerationRequest:
+        return seeded(rig, name, constrained=constrained, temperature=temperature)
+
+    async def body(handle: SchedulerHandle) -> None:
+        expected = await ids_of(handle, spec("unpaused"), pauses=0)
+        # Steps go on beside the pauses (a sampled neighbour), or the
+        # sampler would never see the paused choice missing from one.
+        async with anyio.create_task_group() as group:
+            beside = seeded(rig, "beside", constrained=False, max_tokens=2000)
+            group.start_soon(functools.partial(ids_of, handle, beside, pauses=0))
+            paused = await ids_of(handle, spec("paused"), pauses=3)
+            group.cancel_scope.cancel()
+        assert paused == expected
+        assert all(len(choice) > 3 * (LIMIT + 2) for choice in paused)
+        if constrained:
+            eos = rig.tokenizer.eos_ids
+            for choice in paused:
+                text = rig.tokenizer.decode([t for t in choice if t not in eos])
+                assert re.fullmatch(PATTERN, text), text
 
     anyio.run(with_pipeline, rig.model, body)
 
