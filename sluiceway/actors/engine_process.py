@@ -80,6 +80,8 @@ class EngineSpec:
     source: ModelSource
     device: str
     dtype: str
+    #: ``--engine-threads`` (0: the engine's default).
+    threads: int = 0
     log_level: str = "info"
     log_format: str = logging.BASIC_FORMAT
     #: Set in the child's environment where the parent's does not set them.
@@ -258,7 +260,9 @@ def _child_main(conn: Connection, spec: EngineSpec) -> None:
     from sluiceway.engines.select import make_engine
 
     try:
-        engine = make_engine(spec.choice, spec.source, device=spec.device, dtype=spec.dtype)
+        engine = make_engine(
+            spec.choice, spec.source, device=spec.device, dtype=spec.dtype, threads=spec.threads
+        )
     except Exception as error:
         logger.exception("the engine could not start")
         conn.send(("error", f"{type(error).__name__}: {error}"))

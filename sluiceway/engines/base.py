@@ -34,6 +34,9 @@ class EngineInfo:
     #: Memory free on the engine's device once the model was loaded (0:
     #: unknown). A measurement, not part of what the engine is.
     free_memory_bytes: int = field(default=0, compare=False)
+    #: The CPU threads the engine computes on (0: not the engine's to set,
+    #: as on a GPU or with mlx).
+    threads: int = 0
 
 
 @dataclass(frozen=True, slots=True)

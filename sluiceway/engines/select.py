@@ -74,20 +74,25 @@ def process_environment(name: str) -> dict[str, str]:
     return dict(PROCESS_ENVIRONMENT)
 
 
-def make_engine(choice: str, source: ModelSource, *, device: str, dtype: str) -> Engine:
+def make_engine(
+    choice: str, source: ModelSource, *, device: str, dtype: str, threads: int = 0
+) -> Engine:
     """Build the engine ``choice`` names for ``source`` (``auto`` is resolved
     by :func:`choose_engine`; a resolved name is not logged again).
 
-    ``device`` and ``dtype`` apply to transformers; mlx picks its own device
-    (Metal if present) and runs the checkpoint's dtype.
+    ``device``, ``dtype`` and ``threads`` (0: the default) apply to
+    transformers; mlx picks its own device (Metal if present) and threads,
+    and runs the checkpoint's dtype.
     """
     name = choice if choice in ("mlx", "transformers") else choose_engine(choice)
     if name == "transformers":
         from sluiceway.engines.torch_engine import TransformersEngine
 
-        return TransformersEngine(source, device=device, dtype=dtype)
+        return TransformersEngine(source, device=device, dtype=dtype, threads=threads)
     if device != "auto" or dtype != "auto":
         logger.warning("the mlx engine ignores --device %s and --dtype %s", device, dtype)
+    if threads:
+        logger.warning("the mlx engine ignores --engine-threads %d", threads)
     from sluiceway.engines.mlx_engine import MlxEngine
 
     return MlxEngine(source)

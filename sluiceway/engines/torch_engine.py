@@ -135,17 +135,21 @@ def _config_dtype(config: Mapping[str, Any]) -> str | None:
     return None
 
 
-def use_all_cores(device: torch.device) -> int:
+def set_threads(device: torch.device, wanted: int = 0) -> int:
     """Set torch's intra-op thread count for a CPU device; return the count in use.
 
-    ``OMP_NUM_THREADS`` wins; otherwise every CPU in this process's affinity
-    mask (not the host's count, which containers and ``taskset`` restrict).
-    On a host whose cores are busy with other work, fewer threads can be much
-    faster, since every parallel region waits for its slowest thread: measured
-    4x on a contended 2-vCPU VM. Set ``OMP_NUM_THREADS`` there.
+    ``wanted`` (``--engine-threads``) wins, then ``OMP_NUM_THREADS``;
+    otherwise every CPU in this process's affinity mask (not the host's
+    count, which containers and ``taskset`` restrict). On a host whose cores
+    are busy with other work, fewer threads can be much faster, since every
+    parallel region waits for its slowest thread: measured 4x on a contended
+    2-vCPU VM. The server's own work is such other work: see
+    docs/architecture.md, "Engine threads".
     """
     configured = os.environ.get("OMP_NUM_THREADS", "")
-    if configured.isdigit() and int(configured) > 0:
+    if wanted > 0:
+        threads = wanted
+    elif configured.isdigit() and int(configured) > 0:
         threads = int(configured)
     elif hasattr(os, "sched_getaffinity"):
         threads = len(os.sched_getaffinity(0))
@@ -420,10 +424,12 @@ class _WindowCache(Cache):
 class TransformersEngine:
     """An :class:`~sluiceway.engines.base.Engine` over a transformers causal LM."""
 
-    def __init__(self, source: ModelSource, *, device: str = "auto", dtype: str = "auto") -> None:
+    def __init__(
+        self, source: ModelSource, *, device: str = "auto", dtype: str = "auto", threads: int = 0
+    ) -> None:
         self._device = resolve_device(device)
         self._dtype = resolve_dtype(dtype, source.config, self._device)
-        use_all_cores(self._device)
+        self._threads = set_threads(self._device, threads)
         self._model = _load_model(source, self._device, self._dtype)
         self._cache_keyword = cache_keyword(self._model)
         self._layouts = _probe_layouts(self._model, self._device)
@@ -441,13 +447,14 @@ class TransformersEngine:
             max_context=config_max_context(source.config),
             kv_bytes_per_token=_bytes_per_token(self._layouts),
             free_memory_bytes=_free_memory(self._device),
+            threads=self._threads if self._device.type == "cpu" else 0,
         )
         logger.info(
             "transformers engine: %s on %s, %s, %d threads",
             source.name,
             self._device,
             self._info.dtype,
-            torch.get_num_threads(),
+            self._threads,
         )
 
     @property

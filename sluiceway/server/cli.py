@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         "engine_process": "run the engine in a child process with an interpreter (and GIL) "
         "of its own, instead of on a thread of the server's process (default: a child "
         "process for mlx on the CPU, the thread otherwise)",
+        "engine_threads": "CPU threads of the transformers engine (0: $OMP_NUM_THREADS, else "
+        "every core); on a small CPU host with a small model, --engine-process with one "
+        "core fewer than the host has leaves the server a core (docs/architecture.md)",
         "host": "address to bind",
         "port": "port to bind",
         "worker_class": "Hypercorn worker class",

@@ -45,6 +45,9 @@ class ServerConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     #: None: a child process for mlx on the CPU, the engine thread otherwise.
     engine_process: bool | None = None
+    #: The transformers engine's CPU threads (0: ``OMP_NUM_THREADS``, else
+    #: every core this process may run on).
+    engine_threads: int = 0
     host: str = "127.0.0.1"
     port: int = 8000
     worker_class: WorkerClass = "asyncio"
@@ -105,6 +108,7 @@ class ServerConfig:
             "stall_timeout",
             "request_timeout",
             "release_memory_after",
+            "engine_threads",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")

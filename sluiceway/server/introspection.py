@@ -87,6 +87,8 @@ async def server_info(lifecycle: Lifecycle, serving: Serving, call: Call) -> Non
             "device": info.device,
             "dtype": info.dtype,
         }
+        if info.threads:
+            body["engine_threads"] = info.threads
     await _send(call, body)
 
 

@@ -120,13 +120,16 @@ def _start_engine(config: ServerConfig, source: ModelSource) -> Engine:
     if in_child is None:
         in_child = in_child_process_by_default(name)
     if not in_child:
-        return make_engine(name, source, device=config.device, dtype=config.dtype)
+        return make_engine(
+            name, source, device=config.device, dtype=config.dtype, threads=config.engine_threads
+        )
     logger.info("the engine runs in a child process")
     spec = EngineSpec(
         choice=name,
         source=source,
         device=config.device,
         dtype=config.dtype,
+        threads=config.engine_threads,
         log_level=config.log_level,
         log_format=LOG_FORMAT,
         environment=process_environment(name),

@@ -210,18 +210,24 @@ def other_placement(
     default_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[[str], RunningServer]]:
     """Per engine, a server whose engine runs where that engine's default does
-    not: in a child process for transformers, on a thread for mlx (on the CPU)."""
+    not: in a child process for transformers (on one CPU thread, the
+    placement docs/architecture.md suggests for a small model on a small
+    host), on a thread for mlx (on the CPU)."""
     logs = tmp_path_factory.mktemp("logs")
     started: dict[str, RunningServer] = {}
 
     def other(engine: str) -> RunningServer:
         if engine not in started:
-            flag = "--engine-process" if engine == "transformers" else "--no-engine-process"
+            flags = (
+                ["--engine-process", "--engine-threads", "1"]
+                if engine == "transformers"
+                else ["--no-engine-process"]
+            )
             started[engine] = start_server(
                 default_model,
                 worker_class="asyncio",
                 log_dir=logs,
-                extra_args=["--engine", engine, flag],
+                extra_args=["--engine", engine, *flags],
             )
         return started[engine]
 
@@ -244,6 +250,9 @@ def test_engine_in_a_child_process_replies_the_same(
     )
     assert CHILD_LOG_LINE in process_server.log()
     assert CHILD_LOG_LINE not in thread_server.log()
+    if server.engine == "transformers":  # the child computes on the one thread asked for
+        info = httpx.get(process_server.base_url + "/server_info", timeout=10).json()
+        assert info["engine_threads"] == 1
     payloads = [
         {
             **body(s, "Where does the Danube flow?", max_tokens=24),

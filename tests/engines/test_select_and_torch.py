@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from sluiceway.engines.torch_engine import (
     _full_attention_only,
     resolve_device,
     resolve_dtype,
+    set_threads,
 )
 from tests.engines.helpers import greedy_alone
 from tests.engines.test_parity import PROMPTS
@@ -190,3 +192,27 @@ def test_an_emptied_batch_is_reused_up_to_a_size_and_leaks_nothing(
     expected = [alone.decode({1: first}).logits[0]]
     expected.append(alone.decode({1: int(expected[0].argmax())}).logits[0])
     np.testing.assert_allclose(np.stack(steps), np.stack(expected), atol=1e-5)
+
+
+def test_engine_threads_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--engine-threads`` first, then ``OMP_NUM_THREADS``, then every core."""
+    before = torch.get_num_threads()
+    cpu = torch.device("cpu")
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert set_threads(cpu, 1) == 1
+        assert set_threads(cpu) == 2
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert set_threads(cpu) == len(os.sched_getaffinity(0))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_transformers_engine_reports_its_threads(tiny_model: ModelSource) -> None:
+    before = torch.get_num_threads()
+    engine = TransformersEngine(tiny_model, device="cpu", dtype="float32", threads=1)
+    try:
+        assert engine.info.threads == 1
+    finally:
+        engine.close()
+        torch.set_num_threads(before)
