@@ -73,7 +73,7 @@ from sluiceway.actors.engine_work import (
 from sluiceway.actors.prefix_cache import Hold, PrefixCacheStats, PrefixIndex
 from sluiceway.actors.run_ahead import SteppingThread
 from sluiceway.engines.base import Engine, EngineInfo, KeepKV
-from sluiceway.engines.grammar import Bitmask
+from sluiceway.engines.grammar import Bitmask, every_token
 from sluiceway.protocol.errors import Overloaded, ServiceUnavailable
 from sluiceway.protocol.messages import (
     Backlog,
@@ -317,6 +317,8 @@ class Scheduler:
         self._paused: list[_Choice] = []
         #: The paused choices the sampler was last told to keep the state of.
         self._held: frozenset[tuple[str, int]] = frozenset()
+        #: Masks of free rows before ``min_tokens``, by the ids they suppress.
+        self._suppress_masks: dict[tuple[int, ...], Bitmask] = {}
         self._restoring: dict[int, _Restore] = {}
         self._to_free: list[int] = []
         self._next_slot = 0
@@ -509,14 +511,17 @@ class Scheduler:
         return self._plan(await self._greedy_masks())
 
     async def _greedy_masks(self) -> dict[int, Bitmask]:
-        """The masks that let the next step be greedy with guided rows in it
-        (by slot): asked for only when every other decoding row is plain,
-        else the step is sampled anyway and the sampler masks it."""
-        guides = self._guides
-        # The common step has no constrained row: decide that from the specs,
-        # without building a Row per running choice before every plan.
-        if guides is None or all(c.request.spec.constraint is None for c in self._rows.values()):
+        """The masks that let the next step be greedy with masked rows in it
+        (by slot): guided rows' from the sampler, and the ids a free row may
+        not pick before ``min_tokens``. Asked for only when every other
+        decoding row is plain, else the step is sampled anyway and the
+        sampler masks it."""
+        # The common step has no constrained row and none held back from EOS:
+        # decide that from the specs, without building a Row per running
+        # choice before every plan.
+        if all(_free(c) for c in self._rows.values()):
             return {}
+        masks: dict[int, Bitmask] = {}
         guided: list[_Choice] = []
         for choice in self._rows.values():
             if choice.generated == 0:
@@ -524,15 +529,29 @@ class Scheduler:
             row = self._row(choice)
             if row.plain:
                 continue
-            if not _greedy_guided(row):
+            if row.constraint is None and _greedy_suppressing(row):
+                masks[choice.slot] = self._suppress_mask(row.suppress)
+            elif self._guides is not None and _greedy_guided(row):
+                guided.append(choice)
+            else:
                 return {}
-            guided.append(choice)
-        if not guided:
-            return {}
-        masks = await guides.allowed([self._row(c) for c in guided])
-        if masks is None:
-            return {}
-        return {choice.slot: mask for choice, mask in zip(guided, masks, strict=True)}
+        if guided and self._guides is not None:
+            allowed = await self._guides.allowed([self._row(c) for c in guided])
+            if allowed is None:
+                return {}
+            masks.update((c.slot, mask) for c, mask in zip(guided, allowed, strict=True))
+        return masks
+
+    def _suppress_mask(self, suppress: tuple[int, ...]) -> Bitmask:
+        """Every id but ``suppress``: a free greedy row before ``min_tokens``
+        (kept per set of ids; a server sees few)."""
+        mask = self._suppress_masks.get(suppress)
+        if mask is None:
+            mask = every_token(self._engine.info.vocab_size, but=suppress)
+            if len(self._suppress_masks) >= 64:
+                self._suppress_masks.clear()
+            self._suppress_masks[suppress] = mask
+        return mask
 
     def _plan(self, masks: Mapping[int, Bitmask]) -> StepPlan | None:
         self._pause_lagging()
@@ -1036,20 +1055,37 @@ def _prefix_index(config: SchedulerConfig, info: EngineInfo) -> PrefixIndex | No
     )
 
 
-def _greedy_guided(row: Row) -> bool:
-    """Whether a constrained row's next token is an argmax among what a mask
-    allows: greedy, nothing to adjust, no logprobs, and not its first token
-    (whose mask the grammar engine computes as it starts the row, in the
-    sampler). ``suppress`` goes into the mask."""
+def _free(choice: _Choice) -> bool:
+    """A choice that needs no mask: no constraint, and past ``min_tokens``."""
+    spec = choice.request.spec
+    return spec.constraint is None and choice.generated >= spec.limits.min_tokens
+
+
+def _masked_argmax(row: Row) -> bool:
+    """Whether a row's next token is an argmax among what a mask allows:
+    greedy, nothing to adjust, no logprobs, and not its first token (the
+    first goes through the sampler with the rest of its prefill's step)."""
     sampling = row.sampling
     return (
-        row.constraint is not None
-        and not row.first
+        not row.first
         and sampling.greedy
         and not sampling.logit_bias
         and not sampling.penalised
         and not row.logprobs.per_token
     )
+
+
+def _greedy_guided(row: Row) -> bool:
+    """A constrained row whose next token the engine can pick under its
+    grammar's mask (the grammar engine computes a row's first mask as it
+    starts the row, in the sampler). ``suppress`` goes into the mask."""
+    return row.constraint is not None and _masked_argmax(row)
+
+
+def _greedy_suppressing(row: Row) -> bool:
+    """A free greedy row held back from EOS and stop tokens (``min_tokens``):
+    an argmax among every other id, as the sampler would pick."""
+    return bool(row.suppress) and _masked_argmax(row)
 
 
 def _starts_plain(spec: GenerationRequest) -> bool:

@@ -301,3 +301,42 @@ def test_greedy_constrained_rows_in_a_child_process_pick_the_samplers_tokens(
     ahead = _tokens(child_rig.run(requests, "trio"))
     monkeypatch.setattr(scheduler, "_greedy_guided", lambda row: False)
     assert _tokens(child_rig.run(requests, "trio")) == ahead
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_free_greedy_row_before_min_tokens_is_decoded_ahead(
+    rig: Rig, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A free greedy row held back from its stop token by ``min_tokens`` is
+    an argmax under a mask of every other id: decoded ahead, and the same
+    tokens as the sampler picks."""
+    plain = rig.run([generation(rig, "plain", None, temperature=0.0, max_tokens=24)], backend)
+    stop = plain["plain"][0].tokens[3]  # the model's own pick, so holding it back matters
+    base = generation(rig, "held", None, temperature=0.0)
+    held = GenerationRequest(
+        request_id="held",
+        prompt_ids=base.prompt_ids,
+        n=2,
+        sampling=base.sampling,
+        limits=Limits(max_tokens=32, min_tokens=20, stop_token_ids=frozenset({stop})),
+    )
+    requests = [held, generation(rig, "free", None, temperature=0.0, max_tokens=24)]
+    served_masked = 0
+    serves = run_ahead._serves
+
+    def counting(ahead: Any, plan: StepPlan) -> bool:
+        nonlocal served_masked
+        served = serves(ahead, plan)
+        served_masked += served and bool(plan.masks)
+        return served
+
+    monkeypatch.setattr(run_ahead, "_serves", counting)
+    ahead = _tokens(rig.run(requests, backend))
+    assert served_masked > 10
+    with monkeypatch.context() as sampled_only:
+        sampled_only.setattr(scheduler, "_greedy_suppressing", lambda row: False)
+        served_masked = 0
+        assert _tokens(rig.run(requests, backend)) == ahead
+        assert served_masked == 0
+    for choice in ahead["held"]:
+        assert stop not in choice[:20]
