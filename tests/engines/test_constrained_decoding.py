@@ -264,13 +264,16 @@ def _tokens(results: dict[str, list[Outcome]]) -> dict[str, list[list[int]]]:
     return {name: [o.tokens for o in outcomes] for name, outcomes in results.items()}
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_greedy_constrained_rows_decoded_ahead_pick_the_samplers_tokens(
-    rig: Rig, backend: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A greedy constrained row's token is the engine's argmax under the mask
-    the plan carried, and the step after it is decoded ahead: bit for bit
-    the tokens the sampler picks when every such step goes through it."""
+def _ahead_and_sampled(
+    rig: Rig,
+    requests: list[GenerationRequest],
+    backend: str,
+    monkeypatch: pytest.MonkeyPatch,
+    predicate: str,
+) -> tuple[dict[str, list[list[int]]], dict[str, list[list[int]]]]:
+    """The tokens of ``requests`` run twice: as they are, where many steps
+    with masked rows are decoded ahead; and with the scheduler's
+    ``predicate`` switched off, where none is and the sampler masks them."""
     served_masked = 0
     serves = run_ahead._serves
 
@@ -281,14 +284,27 @@ def test_greedy_constrained_rows_decoded_ahead_pick_the_samplers_tokens(
         return served
 
     monkeypatch.setattr(run_ahead, "_serves", counting)
-    requests = _greedy_guided_requests(rig)
     ahead = _tokens(rig.run(requests, backend))
     assert served_masked > 10
     with monkeypatch.context() as sampled_only:
-        sampled_only.setattr(scheduler, "_greedy_guided", lambda row: False)
+        sampled_only.setattr(scheduler, predicate, lambda row: False)
         served_masked = 0
         through_the_sampler = _tokens(rig.run(requests, backend))
         assert served_masked == 0
+    return ahead, through_the_sampler
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_greedy_constrained_rows_decoded_ahead_pick_the_samplers_tokens(
+    rig: Rig, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A greedy constrained row's token is the engine's argmax under the mask
+    the plan carried, and the step after it is decoded ahead: bit for bit
+    the tokens the sampler picks when every such step goes through it."""
+    requests = _greedy_guided_requests(rig)
+    ahead, through_the_sampler = _ahead_and_sampled(
+        rig, requests, backend, monkeypatch, "_greedy_guided"
+    )
     assert ahead == through_the_sampler
     assert not set(ahead["letters"][0]) & rig.tokenizer.eos_ids  # min_tokens held
 
@@ -321,22 +337,9 @@ def test_a_free_greedy_row_before_min_tokens_is_decoded_ahead(
         limits=Limits(max_tokens=32, min_tokens=20, stop_token_ids=frozenset({stop})),
     )
     requests = [held, generation(rig, "free", None, temperature=0.0, max_tokens=24)]
-    served_masked = 0
-    serves = run_ahead._serves
-
-    def counting(ahead: Any, plan: StepPlan) -> bool:
-        nonlocal served_masked
-        served = serves(ahead, plan)
-        served_masked += served and bool(plan.masks)
-        return served
-
-    monkeypatch.setattr(run_ahead, "_serves", counting)
-    ahead = _tokens(rig.run(requests, backend))
-    assert served_masked > 10
-    with monkeypatch.context() as sampled_only:
-        sampled_only.setattr(scheduler, "_greedy_suppressing", lambda row: False)
-        served_masked = 0
-        assert _tokens(rig.run(requests, backend)) == ahead
-        assert served_masked == 0
+    ahead, through_the_sampler = _ahead_and_sampled(
+        rig, requests, backend, monkeypatch, "_greedy_suppressing"
+    )
+    assert ahead == through_the_sampler
     for choice in ahead["held"]:
         assert stop not in choice[:20]
