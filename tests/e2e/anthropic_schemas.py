@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import jsonschema
+from tests.e2e.schemas import check
 
 STOP_REASONS = [
     "end_turn",
@@ -184,11 +184,7 @@ MODEL_LIST = {
 }
 
 
-def check(instance: Any, schema: dict[str, Any]) -> None:
-    jsonschema.validate(instance, schema)
-
-
 def check_event(name: str, data: dict[str, Any]) -> None:
     """An event's ``event:`` line names its JSON type, and it has its shape."""
     assert data["type"] == name, (name, data)
-    jsonschema.validate(data, EVENTS[name])
+    check(data, EVENTS[name])

@@ -1,4 +1,4 @@
-"""A real server per worker class, started once per session."""
+"""Real servers per worker class and engine, started once per xdist worker."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import RunningServer, start_server
+from tests.e2e.harness import RunningServer, ServerPool
 from tests.fixtures.scripted_model import ScriptedModel
 
 #: Every worker class with every engine.
@@ -28,41 +28,43 @@ DIAGONAL = [ALL_SETUPS[1], ALL_SETUPS[2]]
 SETUPS = ALL_SETUPS if os.environ.get("SLUICEWAY_TEST_SETUPS") == "all" else DIAGONAL
 
 
-@pytest.fixture(scope="session", params=SETUPS)
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
+    """This worker's shared servers, each started when first asked for and
+    stopped when the session ends."""
+    pool = ServerPool(tmp_path_factory.mktemp("logs"))
+    yield pool
+    pool.close()
+
+
+# Module scope over a session pool, not a parametrized session fixture: pytest
+# keeps one parameter of a session fixture alive at a time, and a file runs
+# both setups, so every file restarted both servers.
+@pytest.fixture(scope="module", params=SETUPS)
 def server(
-    request: pytest.FixtureRequest, default_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningServer]:
+    request: pytest.FixtureRequest, default_model: Path, servers: ServerPool
+) -> RunningServer:
     """The default model served under Hypercorn, per worker class and engine."""
     worker_class, engine = request.param
-    running = start_server(
+    return servers.get(
         default_model,
         worker_class=worker_class,
-        log_dir=tmp_path_factory.mktemp("logs"),
         extra_args=["--max-body-bytes", "65536", "--engine", engine],
     )
-    yield running
-    running.stop()
 
 
-@pytest.fixture(scope="session", params=SETUPS)
+@pytest.fixture(scope="module", params=SETUPS)
 def scripted_server(
-    request: pytest.FixtureRequest,
-    scripted: ScriptedModel,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[RunningServer]:
+    request: pytest.FixtureRequest, scripted: ScriptedModel, servers: ServerPool
+) -> RunningServer:
     """The scripted model served under Hypercorn, per worker class and engine."""
     worker_class, engine = request.param
-    running = start_server(
-        scripted.path,
-        worker_class=worker_class,
-        log_dir=tmp_path_factory.mktemp("logs"),
-        name="scripted",
-        extra_args=["--engine", engine],
+    running = servers.get(
+        scripted.path, worker_class=worker_class, name="scripted", extra_args=["--engine", engine]
     )
     # A looping script whose every token carries text times the pace.
     running.pace_fields = {"chat_template_kwargs": scripted.chat_kwargs("bytes_stop")}
-    yield running
-    running.stop()
+    return running
 
 
 @pytest.fixture(scope="session")

@@ -159,6 +159,52 @@ def serving(
         running.stop()
 
 
+class ServerPool:
+    """Servers started when first asked for and kept until :meth:`close`, one
+    per configuration: the modules that ask for the same model, worker class,
+    name and flags share it. A start costs seconds (an mlx engine in its child
+    process about 15 on a loaded 2-core host), and pytest keeps only one
+    parameter of a parametrized session fixture alive at a time, so modules
+    that alternate setups used to start the same servers again and again.
+
+    A shared server sees the requests of every module before it: a test on one
+    reads deltas or its own prompts, never counters it assumes start at zero
+    (a test that needs a fresh server starts its own)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self._log_dir = log_dir
+        self._started: dict[tuple[str, ...], RunningServer] = {}
+
+    def get(
+        self,
+        model: Path,
+        *,
+        worker_class: str,
+        name: str = "test-model",
+        extra_args: Sequence[str] = (),
+    ) -> RunningServer:
+        key = (str(model), worker_class, name, *extra_args)
+        running = self._started.get(key)
+        if running is None:
+            running = start_server(
+                model,
+                worker_class=worker_class,
+                log_dir=self._log_dir,
+                name=name,
+                extra_args=extra_args,
+            )
+            self._started[key] = running
+        elif running.process.poll() is not None:
+            # Not replaced: a crash is a fault to see, not to start over from.
+            raise RuntimeError(f"the shared server exited earlier:\n{running.log()}")
+        return running
+
+    def close(self) -> None:
+        for running in self._started.values():
+            running.stop()
+        self._started.clear()
+
+
 #: Streamed tokens timed to learn a server's decode pace.
 PACE_TOKENS = 200
 _paces: dict[str, float] = {}

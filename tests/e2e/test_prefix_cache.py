@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e.harness import RunningServer, start_server
+from tests.e2e.harness import RunningServer, ServerPool
 
 #: The default model's KV per token is 2048 bytes (4 layers x (keys + values)
 #: x 2 heads x 32 dims x 4 bytes): the tiny budget holds about 300 tokens.
@@ -24,27 +24,16 @@ Variant = Callable[..., RunningServer]
 
 
 @pytest.fixture(scope="module")
-def variant(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Variant]:
-    """Servers of the default model with other flags, started once each."""
-    logs = tmp_path_factory.mktemp("logs")
-    started: dict[tuple[str, ...], RunningServer] = {}
+def variant(default_model: Path, servers: ServerPool) -> Variant:
+    """Servers of the default model with other flags, started once each (and
+    shared with the other modules that ask for the same flags)."""
 
     def get(engine: str, *flags: str) -> RunningServer:
-        key = (engine, *flags)
-        if key not in started:
-            started[key] = start_server(
-                default_model,
-                worker_class="asyncio",
-                log_dir=logs,
-                extra_args=["--engine", engine, *flags],
-            )
-        return started[key]
+        return servers.get(
+            default_model, worker_class="asyncio", extra_args=["--engine", engine, *flags]
+        )
 
-    try:
-        yield get
-    finally:
-        for running in started.values():
-            running.stop()
+    return get
 
 
 def system_prompt(sentences: int = 30) -> str:
@@ -195,7 +184,9 @@ def test_a_child_process_engine_reuses_prefixes_alike(
     (transformers here; mlx on the CPU runs in one by default)."""
     if server.engine != "transformers":
         pytest.skip("the mlx servers already run their engine in a child process")
-    child = variant("transformers", "--engine-process")
+    child = variant(
+        "transformers", "--engine-process", "--engine-threads", "1"
+    )  # as test_scheduling's
     system = system_prompt()
     replies = [chat(child, system, "Where does the Danube flow?", logprobs=True) for _ in range(2)]
     assert cached(replies[1]) > 100

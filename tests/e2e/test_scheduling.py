@@ -16,12 +16,12 @@ import pytest
 from tests.e2e import schemas
 from tests.e2e.harness import (
     RunningServer,
+    ServerPool,
     assert_freed_promptly,
     context_room,
     scheduler_state,
     seconds_per_token,
     serving,
-    start_server,
 )
 
 LONG_PROMPT = [{"role": "user", "content": "Tell me everything about the rivers of Europe. " * 3}]
@@ -205,37 +205,27 @@ def test_full_queue_answers_429_and_waiting_streams_keep_alive(tight_server: Run
 CHILD_LOG_LINE = "the engine runs in a child process"
 
 
+#: Per engine, the flags of the placement its default is not (the prefix
+#: cache tests take the transformers one from the pool too).
+OTHER_PLACEMENT = {
+    "transformers": ["--engine", "transformers", "--engine-process", "--engine-threads", "1"],
+    "mlx": ["--engine", "mlx", "--no-engine-process"],
+}
+
+
 @pytest.fixture(scope="module")
-def other_placement(
-    default_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Callable[[str], RunningServer]]:
+def other_placement(default_model: Path, servers: ServerPool) -> Callable[[str], RunningServer]:
     """Per engine, a server whose engine runs where that engine's default does
     not: in a child process for transformers (on one CPU thread, the
     placement docs/architecture.md suggests for a small model on a small
     host), on a thread for mlx (on the CPU)."""
-    logs = tmp_path_factory.mktemp("logs")
-    started: dict[str, RunningServer] = {}
 
     def other(engine: str) -> RunningServer:
-        if engine not in started:
-            flags = (
-                ["--engine-process", "--engine-threads", "1"]
-                if engine == "transformers"
-                else ["--no-engine-process"]
-            )
-            started[engine] = start_server(
-                default_model,
-                worker_class="asyncio",
-                log_dir=logs,
-                extra_args=["--engine", engine, *flags],
-            )
-        return started[engine]
+        return servers.get(
+            default_model, worker_class="asyncio", extra_args=OTHER_PLACEMENT[engine]
+        )
 
-    try:
-        yield other
-    finally:
-        for running in started.values():
-            running.stop()
+    return other
 
 
 def test_engine_in_a_child_process_replies_the_same(

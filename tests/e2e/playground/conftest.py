@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Browser, ConsoleMessage, Page, Playwright, sync_playwright
 
-from tests.e2e.harness import RunningServer, start_server
+from tests.e2e.harness import RunningServer, ServerPool
 from tests.e2e.playground.page import API_KEY
 from tests.fixtures.scripted_model import ScriptedModel
 
@@ -30,24 +30,21 @@ CHROMIUM_ARGS = [
 ARTIFACTS = Path(__file__).resolve().parents[3] / "test-artifacts" / "playground"
 
 
-@pytest.fixture(scope="session", params=["asyncio", "trio"])
+@pytest.fixture(scope="module", params=["asyncio", "trio"])
 def keyed_server(
-    request: pytest.FixtureRequest,
-    scripted: ScriptedModel,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[RunningServer]:
-    """The scripted model behind ``--api-key``, per worker class."""
-    running = start_server(
+    request: pytest.FixtureRequest, scripted: ScriptedModel, servers: ServerPool
+) -> RunningServer:
+    """The scripted model behind ``--api-key``, per worker class (from the
+    worker's pool, so both playground files share it)."""
+    running = servers.get(
         scripted.path,
         worker_class=request.param,
-        log_dir=tmp_path_factory.mktemp("logs"),
         name="scripted",
         extra_args=["--api-key", API_KEY],
     )
     running.api_key = API_KEY
     running.pace_fields = {"chat_template_kwargs": {"script": "bytes_stop"}}
-    yield running
-    running.stop()
+    return running
 
 
 # Module scope, not session: playwright's sync API keeps an asyncio loop
