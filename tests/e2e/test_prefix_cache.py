@@ -184,9 +184,8 @@ def test_a_child_process_engine_reuses_prefixes_alike(
     (transformers here; mlx on the CPU runs in one by default)."""
     if server.engine != "transformers":
         pytest.skip("the mlx servers already run their engine in a child process")
-    child = variant(
-        "transformers", "--engine-process", "--engine-threads", "1"
-    )  # as test_scheduling's
+    # The flags of test_scheduling's child placement: one server for both.
+    child = variant("transformers", "--engine-process", "--engine-threads", "1")
     system = system_prompt()
     replies = [chat(child, system, "Where does the Danube flow?", logprobs=True) for _ in range(2)]
     assert cached(replies[1]) > 100
