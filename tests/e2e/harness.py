@@ -205,6 +205,15 @@ class ServerPool:
         self._started.clear()
 
 
+#: Per engine, the flags of the placement its default is not: a child
+#: process on one CPU thread for transformers (the placement
+#: docs/architecture.md suggests for a small model on a small host), the
+#: engine thread for mlx. The modules that ask for it share the server.
+OTHER_PLACEMENT = {
+    "transformers": ("--engine-process", "--engine-threads", "1"),
+    "mlx": ("--no-engine-process",),
+}
+
 #: Streamed tokens timed to learn a server's decode pace.
 PACE_TOKENS = 200
 _paces: dict[str, float] = {}

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.harness import RunningServer, ServerPool
+from tests.e2e.harness import OTHER_PLACEMENT, RunningServer, ServerPool
 
 #: The default model's KV per token is 2048 bytes (4 layers x (keys + values)
 #: x 2 heads x 32 dims x 4 bytes): the tiny budget holds about 300 tokens.
@@ -184,8 +184,7 @@ def test_a_child_process_engine_reuses_prefixes_alike(
     (transformers here; mlx on the CPU runs in one by default)."""
     if server.engine != "transformers":
         pytest.skip("the mlx servers already run their engine in a child process")
-    # The flags of test_scheduling's child placement: one server for both.
-    child = variant("transformers", "--engine-process", "--engine-threads", "1")
+    child = variant("transformers", *OTHER_PLACEMENT["transformers"])
     system = system_prompt()
     replies = [chat(child, system, "Where does the Danube flow?", logprobs=True) for _ in range(2)]
     assert cached(replies[1]) > 100

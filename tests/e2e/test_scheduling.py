@@ -15,6 +15,7 @@ import pytest
 
 from tests.e2e import schemas
 from tests.e2e.harness import (
+    OTHER_PLACEMENT,
     RunningServer,
     ServerPool,
     assert_freed_promptly,
@@ -205,25 +206,14 @@ def test_full_queue_answers_429_and_waiting_streams_keep_alive(tight_server: Run
 CHILD_LOG_LINE = "the engine runs in a child process"
 
 
-#: Per engine, the flags of the placement its default is not (the prefix
-#: cache tests take the transformers one from the pool too).
-OTHER_PLACEMENT = {
-    "transformers": ["--engine", "transformers", "--engine-process", "--engine-threads", "1"],
-    "mlx": ["--engine", "mlx", "--no-engine-process"],
-}
-
-
 @pytest.fixture(scope="module")
 def other_placement(default_model: Path, servers: ServerPool) -> Callable[[str], RunningServer]:
     """Per engine, a server whose engine runs where that engine's default does
-    not: in a child process for transformers (on one CPU thread, the
-    placement docs/architecture.md suggests for a small model on a small
-    host), on a thread for mlx (on the CPU)."""
+    not (``OTHER_PLACEMENT``)."""
 
     def other(engine: str) -> RunningServer:
-        return servers.get(
-            default_model, worker_class="asyncio", extra_args=OTHER_PLACEMENT[engine]
-        )
+        flags = ["--engine", engine, *OTHER_PLACEMENT[engine]]
+        return servers.get(default_model, worker_class="asyncio", extra_args=flags)
 
     return other
 
