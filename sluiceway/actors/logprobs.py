@@ -84,6 +84,32 @@ def _candidates(row: FloatArray, k: int) -> npt.NDArray[np.int64]:
     return np.concatenate((ids.astype(np.int64), tail))
 
 
+def top_k_rows(rows: FloatArray, k: int) -> list[list[int]]:
+    """:func:`top_k` of every row at once, as lists.
+
+    A step's rows share a handful of NumPy calls instead of a handful per
+    row, which is what top-5 logprobs cost per token at high concurrency.
+    The order is the same total one (value down, then id up), so any row's
+    first ``j <= k`` ids are its own top ``j``.
+    """
+    count, width = rows.shape
+    k = min(k, width)
+    if k <= 0:
+        return [[] for _ in range(count)]
+    if width > _WHOLE_ROW:
+        return [top_k(row, k).tolist() for row in rows]
+    kth = np.partition(rows, width - k, axis=1)[:, width - k]
+    if np.isnan(kth).any():  # NaN sorts above every value and would select nothing
+        return [top_k(row, k).tolist() for row in rows]
+    # Every value tied with a row's k-th best is a candidate, so the id
+    # tie-break below sees all of them.
+    where, ids = np.nonzero(rows >= kth[:, None])
+    order = np.lexsort((ids, -rows[where, ids], where))
+    ranked: list[int] = ids[order].tolist()
+    starts = np.concatenate(([0], np.cumsum(np.bincount(where, minlength=count))[:-1]))
+    return [ranked[start : start + k] for start in starts.tolist()]
+
+
 def reduce_rows(
     logits: FloatArray,
     token_ids: Sequence[int],
@@ -95,19 +121,27 @@ def reduce_rows(
     if not asked:
         return result
     rows = logits[asked] if len(asked) < len(params) else logits
-    normaliser = log_normaliser(rows)
+    # Lists, not NumPy scalars: the subtractions below are Python floats.
+    bases: list[float] = log_normaliser(rows).tolist()
+    chosen = [int(token_ids[index]) for index in asked]
+    picked: list[float] = rows[np.arange(len(asked)), chosen].tolist()
+    tops = top_k_rows(rows, max(params[index].top or 0 for index in asked))
     for local, index in enumerate(asked):
-        row = rows[local]
-        base = float(normaliser[local])
-        p = params[index]
-        chosen = int(token_ids[index])
-        top = top_k(row, p.top or 0)
+        p, base = params[index], bases[local]
+        top = tops[local][: p.top or 0]
         result[index] = TokenLogprob(
-            logprob=_finite(float(row[chosen]) - base),
-            top=tuple((int(t), _finite(float(row[t]) - base)) for t in top),
-            requested=tuple((int(t), _finite(float(row[t]) - base)) for t in p.token_ids),
+            logprob=_finite(picked[local] - base),
+            top=_entries(rows[local], top, base),
+            requested=_entries(rows[local], p.token_ids, base),
         )
     return result
+
+
+def _entries(row: FloatArray, ids: Sequence[int], base: float) -> tuple[tuple[int, float], ...]:
+    if not ids:
+        return ()
+    values: list[float] = row[list(ids)].tolist()
+    return tuple((int(t), _finite(v - base)) for t, v in zip(ids, values, strict=True))
 
 
 def reduce_step(step: SampledStep) -> SampledStep:
