@@ -104,7 +104,9 @@ def top_k_rows(rows: FloatArray, k: int) -> list[list[int]]:
     # Every value tied with a row's k-th best is a candidate, so the id
     # tie-break below sees all of them.
     where, ids = np.nonzero(rows >= kth[:, None])
-    order = np.lexsort((ids, -rows[where, ids], where))
+    # ``nonzero`` lists each row's ids in rising order and lexsort is stable,
+    # so equal values stay lower id first.
+    order = np.lexsort((-rows[where, ids], where))
     ranked: list[int] = ids[order].tolist()
     starts = np.concatenate(([0], np.cumsum(np.bincount(where, minlength=count))[:-1]))
     return [ranked[start : start + k] for start in starts.tolist()]
