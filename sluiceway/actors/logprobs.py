@@ -96,20 +96,44 @@ def top_k_rows(rows: FloatArray, k: int) -> list[list[int]]:
     k = min(k, width)
     if k <= 0:
         return [[] for _ in range(count)]
-    if width > _WHOLE_ROW:
+    if count == 1 or width > _WHOLE_ROW:
         return [top_k(row, k).tolist() for row in rows]
-    kth = np.partition(rows, width - k, axis=1)[:, width - k]
-    if np.isnan(kth).any():  # NaN sorts above every value and would select nothing
+    floor = _block_floor(rows, k)
+    chosen = rows >= floor[:, None]
+    # NaN selects nothing; a tie across much of a row (a flat tail, -inf
+    # after filtering) selects too much to sort in one go.
+    if np.isnan(floor).any() or np.count_nonzero(chosen) > _CROWD * k * count:
         return [top_k(row, k).tolist() for row in rows]
-    # Every value tied with a row's k-th best is a candidate, so the id
-    # tie-break below sees all of them.
-    where, ids = np.nonzero(rows >= kth[:, None])
+    where, ids = np.nonzero(chosen)
     # ``nonzero`` lists each row's ids in rising order and lexsort is stable,
     # so equal values stay lower id first.
     order = np.lexsort((-rows[where, ids], where))
+    counts = np.bincount(where, minlength=count)
     ranked: list[int] = ids[order].tolist()
-    starts = np.concatenate(([0], np.cumsum(np.bincount(where, minlength=count))[:-1]))
-    return [ranked[start : start + k] for start in starts.tolist()]
+    return [ranked[start : start + k] for start in (np.cumsum(counts) - counts).tolist()]
+
+
+#: More candidates per wanted id than this and rows are selected one by one.
+_CROWD = 8
+
+
+def _block_floor(rows: FloatArray, k: int) -> FloatArray:
+    """Per row, a value at most its k-th best: the k-th best block maximum.
+
+    The k best blocks each hold a distinct value at least that large, so
+    every value at or above the row's k-th best (ties included) is at or
+    above it, and few others are.
+    """
+    count, width = rows.shape
+    size = max(1, min(_BLOCK, width // (2 * k)))
+    blocks = width // size
+    maxima = rows[:, : blocks * size].reshape(count, blocks, size).max(axis=2)
+    if blocks * size < width:
+        tail = rows[:, blocks * size :].max(axis=1, keepdims=True)
+        maxima = np.concatenate((maxima, tail), axis=1)
+    total = maxima.shape[1]
+    floor: FloatArray = np.partition(maxima, total - k, axis=1)[:, total - k]
+    return floor
 
 
 def reduce_rows(
