@@ -101,7 +101,7 @@ def test_top_k_equals_a_full_sort(row: np.ndarray, k: int) -> None:
 def test_top_k_of_a_whole_step_equals_each_rows(rows: np.ndarray, k: int) -> None:
     """The batched selection keeps the per-row order, ties and -inf included,
     and any prefix of a row's list is that row's smaller top."""
-    batched = top_k_rows(rows, k)
+    batched = top_k_rows(rows, k).tolist()
     assert batched == [top_k(row, k).tolist() for row in rows]
     shorter = min(k, 2)
     assert [ids[:shorter] for ids in batched] == [top_k(row, shorter).tolist() for row in rows]
