@@ -115,7 +115,9 @@ def serve_with_stand_in(step_seconds: float, argv: Sequence[str]) -> None:
     import sluiceway.server.runtime as runtime
     from sluiceway.server.cli import main
 
-    def make_engine(choice: str, source: Any, *, device: str, dtype: str) -> StandInEngine:
+    # ``**_options`` takes what either tree passes (``device``, ``dtype``,
+    # ``threads``...): the stand-in serves old and new trees alike.
+    def make_engine(choice: str, source: Any, **_options: Any) -> StandInEngine:
         return StandInEngine(source.vocab_size, step_seconds)
 
     runtime.make_engine = make_engine  # type: ignore[assignment]

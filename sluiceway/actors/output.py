@@ -93,26 +93,11 @@ class ChoiceCore(Protocol):
 
 
 class EntryFactory:
-    """Turns id-level logprobs into entries with text, id and exact bytes.
-
-    A token's text and bytes are looked up once per id and request: with
-    top-k logprobs each token brings k + 1 entries, and the alternatives
-    repeat from step to step.
-    """
+    """Turns id-level logprobs into entries with text, id and exact bytes
+    (looked up once per id and tokenizer: :meth:`TokenTable.entry_parts`)."""
 
     def __init__(self, table: TokenTable) -> None:
-        self._table = table
-        self._tokens: dict[int, tuple[str, tuple[int, ...]]] = {}
-
-    def _token(self, token_id: int) -> tuple[str, tuple[int, ...]]:
-        found = self._tokens.get(token_id)
-        if found is None:
-            table = self._table
-            found = self._tokens[token_id] = (
-                table.display(token_id),
-                tuple(table.bytes_of(token_id)),
-            )
-        return found
+        self._token = table.entry_parts
 
     def entry(self, token_id: int, logprob: TokenLogprob) -> LogprobEntry:
         token, raw = self._token(token_id)

@@ -9,7 +9,7 @@ parsers (which read it) need it, and neither may import the other.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,11 @@ class TokenTable:
     raw_bytes: tuple[bytes, ...]
     hidden: frozenset[int]
     strip_first_space: bool = False
+    #: :meth:`entry_parts` by id. Top-k alternatives repeat across requests
+    #: far more than within one, so the memo lives as long as the tokenizer.
+    _parts: dict[int, tuple[str, tuple[int, ...]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     def __len__(self) -> int:
         return len(self.raw_bytes)
@@ -45,6 +50,15 @@ class TokenTable:
         """The token as a string for logprob entries (fragments of a character
         show as U+FFFD; their exact bytes travel in the ``bytes`` field)."""
         return self.bytes_of(token_id).decode("utf-8", errors="replace")
+
+    def entry_parts(self, token_id: int) -> tuple[str, tuple[int, ...]]:
+        """A logprob entry's ``token`` (:meth:`display`) and ``bytes``, made
+        once per id: the same objects every time, so encoders can key on them."""
+        parts = self._parts.get(token_id)
+        if parts is None:
+            raw = self.bytes_of(token_id)
+            parts = self._parts[token_id] = (raw.decode("utf-8", errors="replace"), tuple(raw))
+        return parts
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Whole-sequence decode with the incremental detokenizer's rules:

@@ -86,3 +86,15 @@ def test_out_of_vocabulary_ids_are_empty() -> None:
     table = table_of([b"a"])
     assert table.bytes_of(5) == b""
     assert table.decode([0, 5, 0]) == "aa"
+
+
+def test_entry_parts_are_made_once_per_id_and_table() -> None:
+    first = TokenTable((b"ab", b"\xe2\x82"), frozenset())
+    other = TokenTable((b"zz", b"\xe2\x82"), frozenset())
+    parts = first.entry_parts(1)
+    assert parts == (first.display(1), (0xE2, 0x82))
+    assert parts[0] == "\ufffd"
+    assert first.entry_parts(1) is parts
+    assert first.entry_parts(0) == ("ab", (97, 98))
+    assert other.entry_parts(0) == ("zz", (122, 122))
+    assert first == TokenTable((b"ab", b"\xe2\x82"), frozenset())

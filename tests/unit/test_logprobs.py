@@ -7,7 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from sluiceway.actors.logprobs import LOGPROB_FLOOR, reduce_prompt, reduce_rows, top_k
+from sluiceway.actors.logprobs import (
+    LOGPROB_FLOOR,
+    reduce_prompt,
+    reduce_rows,
+    top_k,
+    top_k_rows,
+)
 from sluiceway.protocol.messages import LogprobParams
 
 
@@ -79,6 +85,38 @@ def test_top_k_equals_a_full_sort(row: np.ndarray, k: int) -> None:
     """Vocabularies longer than a few blocks take the block-maximum path."""
     reference = np.lexsort((np.arange(row.shape[0]), -row))[:k]
     assert top_k(row, k).tolist() == reference.tolist()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=arrays(
+        np.float32,
+        st.tuples(st.integers(1, 6), st.integers(1, 300)),
+        elements=st.one_of(
+            st.integers(-2, 2).map(float), st.floats(-30, 30, width=32), st.just(-np.inf)
+        ),
+    ),
+    k=st.integers(1, 25),
+)
+def test_top_k_of_a_whole_step_equals_each_rows(rows: np.ndarray, k: int) -> None:
+    """The batched selection keeps the per-row order, ties and -inf included,
+    and any prefix of a row's list is that row's smaller top."""
+    batched = top_k_rows(rows, k).tolist()
+    assert batched == [top_k(row, k).tolist() for row in rows]
+    shorter = min(k, 2)
+    assert [ids[:shorter] for ids in batched] == [top_k(row, shorter).tolist() for row in rows]
+
+
+def test_rows_asking_different_top_counts_share_one_step() -> None:
+    logits = np.array([[0.0, 3.0, 1.0, 2.0], [4.0, 4.0, 0.0, 1.0]], dtype=np.float32)
+    params = [LogprobParams(top=1), LogprobParams(top=3, token_ids=(2,))]
+    first, second = reduce_rows(logits, [0, 3], params)
+    assert first is not None
+    assert second is not None
+    assert [t for t, _ in first.top] == [1]
+    assert [t for t, _ in second.top] == [0, 1, 3]
+    assert [t for t, _ in second.requested] == [2]
+    assert first.requested == ()
 
 
 def test_prompt_logprobs_shift_by_one() -> None:

@@ -88,6 +88,14 @@ def entry_wire(entry: LogprobEntry, as_ids: bool) -> TokenLogprobWire:
     return wire
 
 
+#: ``EntryJson``'s pieces by (as ids, token id), with the token and bytes
+#: they were made from. Shared by all streams: top-k alternatives repeat
+#: across requests far more than within one.
+_PIECES: dict[tuple[bool, int], tuple[str, tuple[int, ...], tuple[bytes, bytes]]] = {}
+#: Beyond this many, the memo starts again (a few vocabularies' worth).
+_PIECES_BOUND = 1 << 19
+
+
 class EntryJson:
     """Logprob entries as JSON text, the bytes ``entries_wire`` would dump to.
 
@@ -95,26 +103,31 @@ class EntryJson:
     six pydantic models per token cost more than the rest of its frame
     (``bench/pertoken-results.md``). What an entry says about its token -- the
     ``token`` text and the ``bytes`` -- depends only on the id, so those
-    pieces are made once per id and stream (the alternatives repeat) and only
-    the numbers are written per entry.
+    pieces are made once per id (``_PIECES``) and only the numbers are
+    written per entry.
     """
 
-    __slots__ = ("_as_ids", "_pieces")
+    __slots__ = ("_as_ids",)
 
     def __init__(self, as_ids: bool) -> None:
         self._as_ids = as_ids
-        #: By id: ``{"token":...,"logprob":`` and ``,"bytes":[...]``.
-        self._pieces: dict[int, tuple[bytes, bytes]] = {}
 
     def _piece(self, token: str, token_id: int, raw: tuple[int, ...]) -> tuple[bytes, bytes]:
-        piece = self._pieces.get(token_id)
-        if piece is None:
-            text = json_string(token_text(token, token_id, self._as_ids))
-            piece = (
-                b'{"token":' + text + b',"logprob":',
-                b',"bytes":[' + ",".join(map(str, raw)).encode() + b"]",
-            )
-            self._pieces[token_id] = piece
+        key = (self._as_ids, token_id)
+        found = _PIECES.get(key)
+        # The same id may stand for other text in another vocabulary; the
+        # comparisons are identity checks when the entry came from the memo
+        # of ``TokenTable.entry_parts``.
+        if found is not None and found[0] == token and found[1] == raw:
+            return found[2]
+        text = json_string(token_text(token, token_id, self._as_ids))
+        piece = (
+            b'{"token":' + text + b',"logprob":',
+            b',"bytes":[' + ",".join(map(str, raw)).encode() + b"]",
+        )
+        if len(_PIECES) >= _PIECES_BOUND:
+            _PIECES.clear()
+        _PIECES[key] = (token, raw, piece)
         return piece
 
     def entry(self, entry: LogprobEntry) -> bytes:
