@@ -81,7 +81,12 @@ pytest: $(TORCH_STAMP) browser clients
 	$(PYTEST) $(PYTEST_ARGS)
 
 # pytest's exit code 5 (nothing collected) fails this target like any other.
-test: lint typecheck check-lock pytest
+# The checks and the installs that do not depend on each other run side by
+# side (torch's wheel, the npm clients, chromium, ruff; then mypy's cold run
+# beside the lock check); the suite runs alone after them, on every core.
+test:
+	$(MAKE) --no-print-directory --output-sync=target -j3 lint typecheck check-lock clients browser
+	$(MAKE) --no-print-directory pytest
 
 # Only the tests that drive a real client CLI (tests/clients; `make test` runs
 # them too), installed by `clients` above: they need Node.js, and the npm
