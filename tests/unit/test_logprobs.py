@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from sluiceway.actors import logprobs
 from sluiceway.actors.logprobs import (
     LOGPROB_FLOOR,
     reduce_prompt,
@@ -69,11 +72,11 @@ def test_ties_break_by_lower_id() -> None:
     assert top_k(np.array([1.0, 2.0, 2.0, 0.0], dtype=np.float32), 3).tolist() == [1, 2, 0]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     row=arrays(
         np.float32,
-        st.integers(1, 1200),
+        st.integers(1, 700),
         # A narrow value range forces many ties, which the block skim must keep.
         elements=st.one_of(
             st.integers(-3, 3).map(float), st.floats(-30, 30, width=32), st.just(-np.inf)
@@ -82,16 +85,19 @@ def test_ties_break_by_lower_id() -> None:
     k=st.integers(1, 25),
 )
 def test_top_k_equals_a_full_sort(row: np.ndarray, k: int) -> None:
-    """Vocabularies longer than a few blocks take the block-maximum path."""
+    """Rows longer than a few blocks take the block-maximum path (which real
+    vocabularies take above ``_WHOLE_ROW`` ids; lowered here so that short,
+    quick rows reach it)."""
     reference = np.lexsort((np.arange(row.shape[0]), -row))[:k]
-    assert top_k(row, k).tolist() == reference.tolist()
+    with mock.patch.object(logprobs, "_WHOLE_ROW", 0):
+        assert top_k(row, k).tolist() == reference.tolist()
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     rows=arrays(
         np.float32,
-        st.tuples(st.integers(1, 6), st.integers(1, 300)),
+        st.tuples(st.integers(1, 6), st.integers(1, 160)),
         elements=st.one_of(
             st.integers(-2, 2).map(float), st.floats(-30, 30, width=32), st.just(-np.inf)
         ),
