@@ -86,10 +86,10 @@ def test_ties_break_by_lower_id() -> None:
 )
 def test_top_k_equals_a_full_sort(row: np.ndarray, k: int) -> None:
     """Rows longer than a few blocks take the block-maximum path (which real
-    vocabularies take above ``_WHOLE_ROW`` ids; lowered here so that short,
-    quick rows reach it)."""
+    vocabularies take above ``_WHOLE_ROW`` ids; the bound and the block are
+    shrunk here so that short, quick rows reach it)."""
     reference = np.lexsort((np.arange(row.shape[0]), -row))[:k]
-    with mock.patch.object(logprobs, "_WHOLE_ROW", 0):
+    with mock.patch.object(logprobs, "_WHOLE_ROW", 0), mock.patch.object(logprobs, "_BLOCK", 4):
         assert top_k(row, k).tolist() == reference.tolist()
 
 
