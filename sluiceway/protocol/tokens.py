@@ -56,8 +56,7 @@ class TokenTable:
         once per id: the same objects every time, so encoders can key on them."""
         parts = self._parts.get(token_id)
         if parts is None:
-            raw = self.bytes_of(token_id)
-            parts = self._parts[token_id] = (raw.decode("utf-8", errors="replace"), tuple(raw))
+            parts = self._parts[token_id] = (self.display(token_id), tuple(self.bytes_of(token_id)))
         return parts
 
     def decode(self, token_ids: Sequence[int]) -> str:
