@@ -318,6 +318,7 @@ class Server:
     log: IO[str]
     prompts: Iterator[str]
     trace: str | None
+    keep_log: bool = False
 
     @property
     def alive(self) -> bool:
@@ -355,7 +356,7 @@ def start_server(
     # The same prompts, in the same order, for every server.
     prompts = itertools.cycle(section.model.prompts)
     target = target_for(server, port, section.model.path, settings.body)
-    return Server(ServerRun(server), process, target, log, prompts, trace)
+    return Server(ServerRun(server), process, target, log, prompts, trace, settings.keep_logs)
 
 
 def warm_up_server(server: Server, settings: Settings) -> None:
@@ -376,7 +377,7 @@ def stop_server(server: Server) -> None:
         process.kill()
         process.wait()
     server.log.close()
-    if run.failure is None:
+    if run.failure is None and not server.keep_log:
         os.unlink(server.log.name)
     else:
         run.note = f"log: {server.log.name}"
@@ -635,6 +636,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--body", default="{}", metavar="JSON", help="more fields for every request (over --load's)"
     )
+    parser.add_argument(
+        "--keep-logs", action="store_true", help="keep each server's log (its path is noted)"
+    )
     parser.add_argument("--output", type=Path, default=HERE / "serve-results.md")
     args = parser.parse_args(argv)
 
@@ -656,6 +660,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         server_args=tuple(shlex.split(args.server_args)),
         paired_rounds=1 if args.quick else max(1, args.paired_rounds),
         body=load_body(args.load, args.body),
+        keep_logs=args.keep_logs,
     )
     engines = ["transformers", "mlx"] if args.engine == "both" else [args.engine]
     started = time.perf_counter()

@@ -118,7 +118,7 @@ def _start_engine(config: ServerConfig, source: ModelSource) -> Engine:
     name = choose_engine(config.engine)
     in_child = config.engine_process
     if in_child is None:
-        in_child = in_child_process_by_default(name)
+        in_child = in_child_process_by_default(name, config.device)
     if not in_child:
         return make_engine(
             name, source, device=config.device, dtype=config.dtype, threads=config.engine_threads

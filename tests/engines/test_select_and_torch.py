@@ -37,11 +37,15 @@ def test_auto_prefers_torch_on_a_cpu_only_linux_host(caplog: pytest.LogCaptureFi
     assert "auto" in caplog.text
 
 
-def test_only_mlx_on_the_cpu_runs_in_a_child_process_by_default() -> None:
+def test_engines_on_the_cpu_run_in_a_child_process_by_default() -> None:
     import mlx.core as mx
+    import torch
 
-    assert not in_child_process_by_default("transformers")
     assert in_child_process_by_default("mlx") is not mx.metal.is_available()
+    assert in_child_process_by_default("transformers", "cpu")
+    assert not in_child_process_by_default("transformers", "cuda:1")
+    on_gpu = torch.cuda.is_available()
+    assert in_child_process_by_default("transformers", "auto") is not on_gpu
 
 
 def test_explicit_choices_are_kept_and_unknown_ones_refused() -> None:
