@@ -42,8 +42,8 @@ waits for a quiet host and is repeated while other processes were busy
 ``--trace`` runs our server under ``bench/trace_server.py``, which times each
 scheduler step segment by segment and the CPU of each thread role, and adds
 "where the time goes" tables. The traced server keeps the engine on its
-engine thread (mlx on the CPU otherwise runs it in a child process, which
-the trace cannot see), so a traced mlx run measures that placement.
+engine thread (on the CPU it otherwise runs in a child process, which the
+trace cannot see), so a traced run measures that placement.
 
 mlx on Linux uses its bundled reference BLAS, which is very slow; when
 Debian's OpenBLAS is installed (``apt-get install libopenblas0-pthread``) every
@@ -724,8 +724,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"Host: {os.cpu_count()} CPUs; {mlx_note}; Hypercorn worker "
         f"{settings.worker_class}. Run took {elapsed / 60:.1f} min."
     )
-    if settings.trace and "mlx" in engines and "--engine-process" not in settings.server_args:
-        header += " Traced: our mlx engine ran on the server's engine thread, not its default child process."
+    if settings.trace and "--engine-process" not in settings.server_args:
+        header += (
+            " Traced: our engine ran on the server's engine thread, not its default child process."
+        )
     if settings.server_args or settings.server_env:
         extra = [*settings.server_args, *(f"{k}={v}" for k, v in settings.server_env)]
         header += f" Our server ran with `{' '.join(extra)}`."

@@ -31,7 +31,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -269,9 +269,11 @@ def _child_main(conn: Connection, spec: EngineSpec) -> None:
         logger.exception("the engine could not start")
         conn.send(("error", f"{type(error).__name__}: {error}"))
         return
-    conn.send(("ok", engine.info))
+    tuning = _tuning(spec, engine)
+    info = engine.info if tuning is None else replace(engine.info, threads_tuned=True)
+    conn.send(("ok", info))
     freeze_heap()
-    _serve(conn, engine, _tuning(spec, engine))
+    _serve(conn, engine, tuning)
 
 
 def _tuning(spec: EngineSpec, engine: Engine) -> _Tuning | None:

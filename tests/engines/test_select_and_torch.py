@@ -220,3 +220,28 @@ def test_a_transformers_engine_reports_its_threads(tiny_model: ModelSource) -> N
     finally:
         engine.close()
         torch.set_num_threads(before)
+
+
+def test_the_thread_count_changes_no_logit(tiny_model: ModelSource) -> None:
+    """The engine's child process changes torch's thread count between
+    steps (``ThreadTuner``); a stream must come out the same whichever count
+    computed each step, so the logits must not move by a bit."""
+    before = torch.get_num_threads()
+    engine = TransformersEngine(tiny_model, device="cpu", dtype="float32", threads=2)
+    prompt = [int(t) for t in np.arange(3, 60) % 200]
+    try:
+        prefilled = []
+        for slot, threads in ((0, 2), (1, 1)):
+            engine.set_threads(threads)
+            assert torch.get_num_threads() == threads
+            prefilled.append(engine.prefill(slot, prompt))
+        assert np.array_equal(prefilled[0], prefilled[1])
+        decoded = []
+        for threads in (2, 1):
+            engine.set_threads(threads)
+            decoded.append(engine.decode({0: 7, 1: 9}).logits)
+            engine.undo_decode()
+        assert np.array_equal(decoded[0], decoded[1])
+    finally:
+        engine.close()
+        torch.set_num_threads(before)
