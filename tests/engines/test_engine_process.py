@@ -251,7 +251,12 @@ class _Threaded:
         from sluiceway.engines.base import EngineInfo
 
         self.info = EngineInfo(
-            name="transformers", device="cpu", dtype="float32", vocab_size=8, threads=threads
+            name="transformers",
+            device="cpu",
+            dtype="float32",
+            vocab_size=8,
+            max_context=64,
+            threads=threads,
         )
         self.threads = threads
         self.calls: list[int] = []
@@ -297,7 +302,9 @@ def test_the_tuning_times_each_round_and_applies_the_faster_count() -> None:
     # After a pause the first round has nothing to be timed against.
     tuning.pause()
     assert tuning.since is None
-    tuning.before(StepPlan(prefills=(PrefillWork(request_id="r", slot=9, tokens=(1, 2)),)))
+    tuning.before(
+        StepPlan(prefills=(PrefillWork(request_id="r", slot=9, tokens=(1, 2), final=True),))
+    )
     assert tuning.rows == 0
     assert not tuning.steady
     assert engine.threads == 1

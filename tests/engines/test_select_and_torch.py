@@ -245,3 +245,33 @@ def test_the_thread_count_changes_no_logit(tiny_model: ModelSource) -> None:
     finally:
         engine.close()
         torch.set_num_threads(before)
+
+
+def test_a_daemonic_worker_keeps_the_engine_on_its_thread(
+    tiny_model: ModelSource, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Hypercorn's own command runs the app in a daemonic process, which
+    multiprocessing forbids to start children: the default falls back to
+    the engine thread, and an explicit ``--engine-process`` says why it
+    cannot be."""
+    import multiprocessing
+    from types import SimpleNamespace
+
+    from sluiceway.server import runtime
+    from sluiceway.server.config import ServerConfig
+
+    monkeypatch.setattr(multiprocessing, "current_process", lambda: SimpleNamespace(daemon=True))
+    asked = ServerConfig(engine="transformers", device="cpu", engine_process=True)
+    with pytest.raises(RuntimeError, match="daemonic"):
+        runtime._start_engine(asked, tiny_model)
+    before = torch.get_num_threads()
+    with caplog.at_level(logging.INFO, logger="sluiceway.server.runtime"):
+        engine = runtime._start_engine(
+            ServerConfig(engine="transformers", device="cpu"), tiny_model
+        )
+    try:
+        assert isinstance(engine, TransformersEngine)
+        assert "daemonic worker" in caplog.text
+    finally:
+        engine.close()
+        torch.set_num_threads(before)
