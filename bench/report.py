@@ -39,6 +39,8 @@ class Settings:
     #: More fields for every request's body (``--body``/``--load``): sampling,
     #: logprobs; empty is greedy.
     body: tuple[tuple[str, object], ...] = ()
+    #: Keep each server's log (``--keep-logs``).
+    keep_logs: bool = False
 
 
 @dataclass(frozen=True, slots=True)

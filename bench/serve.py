@@ -42,8 +42,8 @@ waits for a quiet host and is repeated while other processes were busy
 ``--trace`` runs our server under ``bench/trace_server.py``, which times each
 scheduler step segment by segment and the CPU of each thread role, and adds
 "where the time goes" tables. The traced server keeps the engine on its
-engine thread (mlx on the CPU otherwise runs it in a child process, which
-the trace cannot see), so a traced mlx run measures that placement.
+engine thread (on the CPU it otherwise runs in a child process, which the
+trace cannot see), so a traced run measures that placement.
 
 mlx on Linux uses its bundled reference BLAS, which is very slow; when
 Debian's OpenBLAS is installed (``apt-get install libopenblas0-pthread``) every
@@ -318,6 +318,7 @@ class Server:
     log: IO[str]
     prompts: Iterator[str]
     trace: str | None
+    keep_log: bool = False
 
     @property
     def alive(self) -> bool:
@@ -355,7 +356,7 @@ def start_server(
     # The same prompts, in the same order, for every server.
     prompts = itertools.cycle(section.model.prompts)
     target = target_for(server, port, section.model.path, settings.body)
-    return Server(ServerRun(server), process, target, log, prompts, trace)
+    return Server(ServerRun(server), process, target, log, prompts, trace, settings.keep_logs)
 
 
 def warm_up_server(server: Server, settings: Settings) -> None:
@@ -376,7 +377,7 @@ def stop_server(server: Server) -> None:
         process.kill()
         process.wait()
     server.log.close()
-    if run.failure is None:
+    if run.failure is None and not server.keep_log:
         os.unlink(server.log.name)
     else:
         run.note = f"log: {server.log.name}"
@@ -635,6 +636,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--body", default="{}", metavar="JSON", help="more fields for every request (over --load's)"
     )
+    parser.add_argument(
+        "--keep-logs", action="store_true", help="keep each server's log (its path is noted)"
+    )
     parser.add_argument("--output", type=Path, default=HERE / "serve-results.md")
     args = parser.parse_args(argv)
 
@@ -656,6 +660,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         server_args=tuple(shlex.split(args.server_args)),
         paired_rounds=1 if args.quick else max(1, args.paired_rounds),
         body=load_body(args.load, args.body),
+        keep_logs=args.keep_logs,
     )
     engines = ["transformers", "mlx"] if args.engine == "both" else [args.engine]
     started = time.perf_counter()
@@ -719,8 +724,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"Host: {os.cpu_count()} CPUs; {mlx_note}; Hypercorn worker "
         f"{settings.worker_class}. Run took {elapsed / 60:.1f} min."
     )
-    if settings.trace and "mlx" in engines and "--engine-process" not in settings.server_args:
-        header += " Traced: our mlx engine ran on the server's engine thread, not its default child process."
+    if settings.trace and "--engine-process" not in settings.server_args:
+        header += (
+            " Traced: our engine ran on the server's engine thread, not its default child process."
+        )
     if settings.server_args or settings.server_env:
         extra = [*settings.server_args, *(f"{k}={v}" for k, v in settings.server_env)]
         header += f" Our server ran with `{' '.join(extra)}`."

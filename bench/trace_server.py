@@ -211,7 +211,7 @@ def main(argv: Sequence[str]) -> int:
     out, *rest = argv
     if "--engine-process" not in rest:
         # The wrappers live in this process: an engine in a child process
-        # (mlx's default on the CPU) would run untraced.
+        # (the default on the CPU) would run untraced.
         rest.append("--no-engine-process")
     install()
     from sluiceway.server.cli import main as cli_main

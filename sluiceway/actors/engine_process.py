@@ -29,8 +29,9 @@ import logging
 import multiprocessing
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -45,6 +46,7 @@ from sluiceway.actors.engine_work import (
     release_memory,
 )
 from sluiceway.actors.run_ahead import RunAhead
+from sluiceway.actors.thread_tuner import ThreadedEngine, ThreadTuner
 from sluiceway.engines.base import CacheOp, DecodeResult, Engine, EngineInfo, Logits
 from sluiceway.engines.loader import ModelSource, freeze_heap
 
@@ -267,12 +269,56 @@ def _child_main(conn: Connection, spec: EngineSpec) -> None:
         logger.exception("the engine could not start")
         conn.send(("error", f"{type(error).__name__}: {error}"))
         return
-    conn.send(("ok", engine.info))
+    tuning = _tuning(spec, engine)
+    info = engine.info if tuning is None else replace(engine.info, threads_tuned=True)
+    conn.send(("ok", info))
     freeze_heap()
-    _serve(conn, engine)
+    _serve(conn, engine, tuning)
 
 
-def _serve(conn: Connection, engine: Engine) -> None:
+def _tuning(spec: EngineSpec, engine: Engine) -> _Tuning | None:
+    """Thread tuning, unless the count was given (``--engine-threads``,
+    ``OMP_NUM_THREADS``) or there is no count to choose."""
+    if spec.threads or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    if not isinstance(engine, ThreadedEngine) or engine.info.threads < 2:
+        return None
+    most = engine.info.threads
+    logger.info("engine threads: %d or %d per batch size, chosen by timing steps", most - 1, most)
+    return _Tuning(engine, ThreadTuner(most), most)
+
+
+@dataclass(slots=True)
+class _Tuning:
+    """Times each round from one plan's arrival to the next and applies the
+    tuner's count before each step."""
+
+    engine: ThreadedEngine
+    tuner: ThreadTuner
+    threads: int
+    rows: int = 0
+    steady: bool = False
+    since: float | None = None
+    clock: Callable[[], float] = time.perf_counter
+
+    def before(self, plan: StepPlan) -> None:
+        now = self.clock()
+        if self.since is not None:
+            self.tuner.observe(self.rows, now - self.since, steady=self.steady)
+        self.since = now
+        self.rows = len(plan.decode)
+        self.steady = not plan.prefills and not plan.cache_ops
+        wanted = self.tuner.threads_for(self.rows)
+        if wanted and wanted != self.threads:
+            self.engine.set_threads(wanted)
+            self.threads = wanted
+
+    def pause(self) -> None:
+        """A call other than a step: the round in progress is not timed."""
+        self.since = None
+
+
+def _serve(conn: Connection, engine: Engine, tuning: _Tuning | None = None) -> None:
     runner = RunAhead(engine)
     while True:
         try:
@@ -282,6 +328,8 @@ def _serve(conn: Connection, engine: Engine) -> None:
             return
         if method != "execute":
             runner.settle()
+            if tuning is not None:
+                tuning.pause()
         if method == "close":
             logger.info(
                 "steps decoded ahead: %d served, %d taken back", runner.served, runner.taken_back
@@ -295,6 +343,8 @@ def _serve(conn: Connection, engine: Engine) -> None:
         try:
             if method == "execute":
                 (plan,) = args
+                if tuning is not None:
+                    tuning.before(plan)
                 outcome = runner.execute(plan)
                 result: Any = _for_pipe(plan, outcome)
             elif method == "release_memory":

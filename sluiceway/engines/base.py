@@ -37,6 +37,9 @@ class EngineInfo:
     #: The CPU threads the engine computes on (0: not the engine's to set,
     #: as on a GPU or with mlx).
     threads: int = 0
+    #: The engine's child process runs each batch size on ``threads`` or one
+    #: fewer, whichever its steps measure faster (:mod:`sluiceway.actors.thread_tuner`).
+    threads_tuned: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,18 +50,34 @@ def choose_engine(choice: str) -> str:
     return "mlx"
 
 
-def in_child_process_by_default(name: str) -> bool:
+def in_child_process_by_default(name: str, device: str = "auto") -> bool:
     """Whether engine ``name`` runs in a child process unless told otherwise.
 
-    mlx on the CPU does: its engine thread builds each step's graph in Python,
-    so on the engine thread it contends for the GIL with the event loop. In a
-    child process, on a 2-core host, the large benchmark model kept 0.93-0.95
-    of the bare decode rate at concurrency 1 instead of 0.84-0.88, and gained
-    at 4 and 16 too (docs/architecture.md). The transformers engine measured
-    the same either way, so it keeps the thread; mlx on Metal is unmeasured,
-    so it keeps the thread too.
+    On the CPU both engines do. In the server's process the engine thread's
+    Python (mlx builds each step's graph in Python; a transformers forward
+    makes hundreds of Python-level calls) contends for the GIL with the event
+    loop's per-token work. In a child process, on a 2-core host: mlx on the
+    large benchmark model kept 0.93-0.95 of the bare decode rate at
+    concurrency 1 instead of 0.84-0.88; transformers on the tiny default
+    model, with its thread count chosen by timing
+    (:mod:`sluiceway.actors.thread_tuner`), streamed 1.5x the tokens/s at 64
+    streams and gained at 1 and 16, while on the benchmark model the two
+    placements differed by less than the host's drift (docs/architecture.md,
+    "Engine threads"). On a GPU (Metal, CUDA) the placement is unmeasured,
+    and the engine keeps its thread.
     """
-    return name == "mlx" and not _metal_available()
+    if name == "mlx":
+        return not _metal_available()
+    return _cpu_device(device)
+
+
+def _cpu_device(device: str) -> bool:
+    """Whether the transformers engine's ``--device`` resolves to the CPU."""
+    if device != "auto":
+        return device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def process_environment(name: str) -> dict[str, str]:

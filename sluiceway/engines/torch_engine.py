@@ -461,6 +461,12 @@ class TransformersEngine:
     def info(self) -> EngineInfo:
         return self._info
 
+    def set_threads(self, count: int) -> None:
+        """Compute the next steps on ``count`` threads (a CPU device only;
+        :mod:`sluiceway.actors.thread_tuner` picks the count)."""
+        if self._device.type == "cpu":
+            torch.set_num_threads(count)
+
     def prefill(self, slot: int, token_ids: Sequence[int], *, all_logits: bool = False) -> Logits:
         if not token_ids:
             raise ValueError("prefill needs at least one token")

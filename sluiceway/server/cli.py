@@ -55,10 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
         "dtype": "weights dtype of the transformers engine (auto: the checkpoint's)",
         "engine_process": "run the engine in a child process with an interpreter (and GIL) "
         "of its own, instead of on a thread of the server's process (default: a child "
-        "process for mlx on the CPU, the thread otherwise)",
+        "process on the CPU, the thread on a GPU)",
         "engine_threads": "CPU threads of the transformers engine (0: $OMP_NUM_THREADS, else "
-        "every core); on a small CPU host with a small model, --engine-process with one "
-        "core fewer than the host has leaves the server a core (docs/architecture.md)",
+        "every core, and in a child process each batch size runs on every core or one "
+        "fewer, whichever its steps measure faster; docs/architecture.md)",
         "host": "address to bind",
         "port": "port to bind",
         "worker_class": "Hypercorn worker class",

@@ -43,10 +43,11 @@ class ServerConfig:
     #: auto, cpu, cuda or cuda:N (``engines.select.DEVICES``).
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    #: None: a child process for mlx on the CPU, the engine thread otherwise.
+    #: None: a child process on the CPU, the engine thread on a GPU (and in
+    #: a daemonic worker process, which may not start one).
     engine_process: bool | None = None
     #: The transformers engine's CPU threads (0: ``OMP_NUM_THREADS``, else
-    #: every core this process may run on).
+    #: every core this process may run on, tuned in a child process).
     engine_threads: int = 0
     host: str = "127.0.0.1"
     port: int = 8000

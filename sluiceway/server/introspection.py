@@ -89,6 +89,7 @@ async def server_info(lifecycle: Lifecycle, serving: Serving, call: Call) -> Non
         }
         if info.threads:
             body["engine_threads"] = info.threads
+            body["engine_threads_tuned"] = info.threads_tuned
     await _send(call, body)
 
 

@@ -14,6 +14,7 @@ Per request, the handler runs its own output actor and emitter (see
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import sys
 import time
 from dataclasses import dataclass
@@ -117,8 +118,21 @@ def _grammar_engine(
 def _start_engine(config: ServerConfig, source: ModelSource) -> Engine:
     name = choose_engine(config.engine)
     in_child = config.engine_process
+    daemonic = multiprocessing.current_process().daemon
+    if in_child and daemonic:
+        raise RuntimeError(
+            "--engine-process: this server runs in a daemonic worker process (as Hypercorn's "
+            "own command starts its workers), which may not start one; serve with "
+            "`sluiceway serve`, or run the engine on a thread (--no-engine-process)"
+        )
     if in_child is None:
-        in_child = in_child_process_by_default(name)
+        in_child = in_child_process_by_default(name, config.device)
+        if in_child and daemonic:
+            logger.info(
+                "the engine runs on a thread: a daemonic worker process (as Hypercorn's own "
+                "command starts) may not start the child process it would run in"
+            )
+            in_child = False
     if not in_child:
         return make_engine(
             name, source, device=config.device, dtype=config.dtype, threads=config.engine_threads

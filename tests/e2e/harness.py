@@ -205,12 +205,11 @@ class ServerPool:
         self._started.clear()
 
 
-#: Per engine, the flags of the placement its default is not: a child
-#: process on one CPU thread for transformers (the placement
-#: docs/architecture.md suggests for a small model on a small host), the
-#: engine thread for mlx. The modules that ask for it share the server.
+#: Per engine, the flags of the placement its default is not: on the CPU
+#: both engines run in a child process by default, so the other placement
+#: is the engine thread. The modules that ask for it share the server.
 OTHER_PLACEMENT = {
-    "transformers": ("--engine-process", "--engine-threads", "1"),
+    "transformers": ("--no-engine-process",),
     "mlx": ("--no-engine-process",),
 }
 

@@ -1,7 +1,8 @@
 """The prefix cache end to end: a shared prefix is reported in
 ``usage.prompt_tokens_details.cached_tokens`` and changes no output (greedy
 text, logprobs, seeded choices, prompt logprobs), also under a tiny budget
-and in a child process; ``--no-prefix-cache`` reports nothing cached."""
+and on the engine thread as in a child process; ``--no-prefix-cache`` reports
+nothing cached."""
 
 from __future__ import annotations
 
@@ -177,16 +178,14 @@ def test_a_tiny_budget_evicts_and_stays_correct(server: RunningServer, variant: 
     assert max(seen) <= 300
 
 
-def test_a_child_process_engine_reuses_prefixes_alike(
-    server: RunningServer, variant: Variant
-) -> None:
-    """The prefix cache's edits ride on the steps sent to a child process
-    (transformers here; mlx on the CPU runs in one by default)."""
+def test_the_engine_thread_reuses_prefixes_alike(server: RunningServer, variant: Variant) -> None:
+    """The prefix cache's edits run alike on the engine thread and on the
+    steps sent to the child process (each engine's default on the CPU)."""
     if server.engine != "transformers":
-        pytest.skip("the mlx servers already run their engine in a child process")
-    child = variant("transformers", *OTHER_PLACEMENT["transformers"])
+        pytest.skip("one engine shows it; an mlx server on its thread costs another start")
+    thread = variant("transformers", *OTHER_PLACEMENT["transformers"])
     system = system_prompt()
-    replies = [chat(child, system, "Where does the Danube flow?", logprobs=True) for _ in range(2)]
+    replies = [chat(thread, system, "Where does the Danube flow?", logprobs=True) for _ in range(2)]
     assert cached(replies[1]) > 100
     assert_same(replies[1], chat(server, system, "Where does the Danube flow?", logprobs=True))
     assert_same(replies[0], replies[1])

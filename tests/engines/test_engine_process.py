@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -37,7 +38,15 @@ def test_the_child_decodes_as_the_engine_does(
             assert greedy_alone(in_child, prompt, STEPS).tokens == (
                 greedy_alone(local, prompt, STEPS).tokens
             )
-        assert in_child.info == local.info
+        # The child says whether it picks its thread count by timing steps:
+        # the transformers engine does when given none and having 2 or more.
+        tuned = (
+            local.info.name == "transformers"
+            and local.info.threads >= 2
+            and not os.environ.get("OMP_NUM_THREADS")
+        )
+        assert in_child.info.threads_tuned is tuned
+        assert replace(in_child.info, threads_tuned=False) == local.info
     finally:
         local.close()
 
@@ -233,3 +242,69 @@ def test_the_child_starts_with_the_engines_environment(monkeypatch: pytest.Monke
     assert os.environ["SLUICEWAY_TEST_KEPT"] == "parent"
     assert "OPENBLAS_THREAD_TIMEOUT" in process_environment("mlx")
     assert process_environment("transformers") == {}
+
+
+class _Threaded:
+    """An engine stand-in with a thread count (only what the tuning reads)."""
+
+    def __init__(self, threads: int) -> None:
+        from sluiceway.engines.base import EngineInfo
+
+        self.info = EngineInfo(
+            name="transformers",
+            device="cpu",
+            dtype="float32",
+            vocab_size=8,
+            max_context=64,
+            threads=threads,
+        )
+        self.threads = threads
+        self.calls: list[int] = []
+
+    def set_threads(self, count: int) -> None:
+        self.threads = count
+        self.calls.append(count)
+
+
+def test_the_child_tunes_its_threads_only_when_no_count_was_given(
+    tiny_model: ModelSource, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sluiceway.actors.engine_process import _tuning
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    spec = EngineSpec(choice="transformers", source=tiny_model, device="cpu", dtype="auto")
+    assert _tuning(spec, _Threaded(2)) is not None  # type: ignore[arg-type]
+    assert _tuning(spec, _Threaded(1)) is None  # type: ignore[arg-type]
+    given = EngineSpec(
+        choice="transformers", source=tiny_model, device="cpu", dtype="auto", threads=2
+    )
+    assert _tuning(given, _Threaded(2)) is None  # type: ignore[arg-type]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert _tuning(spec, _Threaded(2)) is None  # type: ignore[arg-type]
+
+
+def test_the_tuning_times_each_round_and_applies_the_faster_count() -> None:
+    """A round is the time from one plan to the next; on a host where one
+    thread fewer is faster, the child moves to it. A call between steps
+    (a prefix-cache copy, a memory release) is not counted as a round."""
+    from sluiceway.actors.engine_process import _Tuning
+    from sluiceway.actors.thread_tuner import ThreadTuner
+
+    engine = _Threaded(2)
+    now = [0.0]
+    tuning = _Tuning(engine, ThreadTuner(2), 2, clock=lambda: now[0])
+    plan = StepPlan(decode=dict.fromkeys(range(4), 1))
+    for _ in range(200):
+        tuning.before(plan)
+        now[0] += 0.010 if engine.threads == 2 else 0.006
+    assert engine.calls[-1] == 1
+    assert engine.threads == 1
+    # After a pause the first round has nothing to be timed against.
+    tuning.pause()
+    assert tuning.since is None
+    tuning.before(
+        StepPlan(prefills=(PrefillWork(request_id="r", slot=9, tokens=(1, 2), final=True),))
+    )
+    assert tuning.rows == 0
+    assert not tuning.steady
+    assert engine.threads == 1

@@ -37,11 +37,15 @@ def test_auto_prefers_torch_on_a_cpu_only_linux_host(caplog: pytest.LogCaptureFi
     assert "auto" in caplog.text
 
 
-def test_only_mlx_on_the_cpu_runs_in_a_child_process_by_default() -> None:
+def test_engines_on_the_cpu_run_in_a_child_process_by_default() -> None:
     import mlx.core as mx
+    import torch
 
-    assert not in_child_process_by_default("transformers")
     assert in_child_process_by_default("mlx") is not mx.metal.is_available()
+    assert in_child_process_by_default("transformers", "cpu")
+    assert not in_child_process_by_default("transformers", "cuda:1")
+    on_gpu = torch.cuda.is_available()
+    assert in_child_process_by_default("transformers", "auto") is not on_gpu
 
 
 def test_explicit_choices_are_kept_and_unknown_ones_refused() -> None:
@@ -213,6 +217,61 @@ def test_a_transformers_engine_reports_its_threads(tiny_model: ModelSource) -> N
     engine = TransformersEngine(tiny_model, device="cpu", dtype="float32", threads=1)
     try:
         assert engine.info.threads == 1
+    finally:
+        engine.close()
+        torch.set_num_threads(before)
+
+
+def test_the_thread_count_changes_no_logit(tiny_model: ModelSource) -> None:
+    """The engine's child process changes torch's thread count between
+    steps (``ThreadTuner``); a stream must come out the same whichever count
+    computed each step, so the logits must not move by a bit."""
+    before = torch.get_num_threads()
+    engine = TransformersEngine(tiny_model, device="cpu", dtype="float32", threads=2)
+    prompt = [int(t) for t in np.arange(3, 60) % 200]
+    try:
+        prefilled = []
+        for slot, threads in ((0, 2), (1, 1)):
+            engine.set_threads(threads)
+            assert torch.get_num_threads() == threads
+            prefilled.append(engine.prefill(slot, prompt))
+        assert np.array_equal(prefilled[0], prefilled[1])
+        decoded = []
+        for threads in (2, 1):
+            engine.set_threads(threads)
+            decoded.append(engine.decode({0: 7, 1: 9}).logits)
+            engine.undo_decode()
+        assert np.array_equal(decoded[0], decoded[1])
+    finally:
+        engine.close()
+        torch.set_num_threads(before)
+
+
+def test_a_daemonic_worker_keeps_the_engine_on_its_thread(
+    tiny_model: ModelSource, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Hypercorn's own command runs the app in a daemonic process, which
+    multiprocessing forbids to start children: the default falls back to
+    the engine thread, and an explicit ``--engine-process`` says why it
+    cannot be."""
+    import multiprocessing
+    from types import SimpleNamespace
+
+    from sluiceway.server import runtime
+    from sluiceway.server.config import ServerConfig
+
+    monkeypatch.setattr(multiprocessing, "current_process", lambda: SimpleNamespace(daemon=True))
+    asked = ServerConfig(engine="transformers", device="cpu", engine_process=True)
+    with pytest.raises(RuntimeError, match="daemonic"):
+        runtime._start_engine(asked, tiny_model)
+    before = torch.get_num_threads()
+    with caplog.at_level(logging.INFO, logger="sluiceway.server.runtime"):
+        engine = runtime._start_engine(
+            ServerConfig(engine="transformers", device="cpu"), tiny_model
+        )
+    try:
+        assert isinstance(engine, TransformersEngine)
+        assert "daemonic worker" in caplog.text
     finally:
         engine.close()
         torch.set_num_threads(before)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from sluiceway.engines.grammar import GrammarEngine, allowed_ids, lark_json
 from sluiceway.engines.tokenizer import ModelTokenizer
 from sluiceway.parsers.registry import TextPathOptions, ToolSchema, build_pipeline
+from sluiceway.parsers.tools import qwen3_coder
 from sluiceway.protocol.constraints import Constraint, ConstraintKind
 from sluiceway.surfaces.tool_grammar import CallableTool, CallPlan, call_grammar
 from tests.fixtures.json_schemas import assert_valid, object_schemas
@@ -171,10 +172,23 @@ def walk(constraint: Constraint, data: st.DataObject, limit: int = 600) -> list[
     return tokens
 
 
+#: What raw text can hold of a string parameter's schema.
+_RAW_HOLDS = frozenset({"type", "minLength", "maxLength", "enum", "const"})
+
+
 def _raw_text_free(schema: dict[str, Any]) -> bool:
-    """No top-level string property with a pattern or format: the XML form
-    writes strings raw, where only their length and values are held."""
-    return not any("pattern" in prop or "format" in prop for prop in schema["properties"].values())
+    """Every parameter the XML form writes as raw text says no more than
+    raw text can hold: its length and its values. A pattern, a format, or
+    the branches of an ``anyOf`` that counts as a string are not held (the
+    text is unbounded there: a walk found one that never ended)."""
+    tool = ToolSchema(name="f", parameters=schema)
+    for key, prop in schema["properties"].items():
+        if not qwen3_coder.is_string_parameter(tool, key):
+            continue
+        target = qwen3_coder.resolved(prop, schema)
+        if not isinstance(target, dict) or not set(target) <= _RAW_HOLDS:
+            return False
+    return True
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

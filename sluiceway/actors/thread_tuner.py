@@ -1,0 +1,161 @@
+"""Choosing the engine's CPU thread count by timing its steps.
+
+On a CPU host the engine's threads and the server's own per-token work
+(scheduling, detokenizing, encoding, writing) share the cores. Whether the
+engine should compute on every core or leave one to the server depends on
+the model and the batch: for a model whose step is cheap, the server's work
+per step is a large share of it, and an engine thread that must wait for a
+core makes every parallel region wait for it; for a model whose step is
+compute-bound, the last core is worth more than that contention costs
+(docs/architecture.md, "Engine threads"). Neither a rule by model size nor
+a fixed count holds across hosts, so the engine in its child process
+measures instead: :class:`ThreadTuner` times the steady decode steps of each
+batch size bucket on both counts, in short blocks that take turns so the
+load on the host is alike for both, and keeps the faster. A choice that holds is
+checked again less and less often; one that loses is replaced and checked
+soon.
+
+The time of a step is the time from one plan's arrival to the next one's:
+it includes the server's part of the round, which is what the count is
+chosen for. This module is a pure core: the child process feeds it times and
+applies the counts it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+logger = logging.getLogger(__name__)
+
+#: A check times this many pairs of blocks: one on the count in use, then
+#: one on the other. Alternating short blocks keeps a host whose speed drifts
+#: over seconds from deciding for either count.
+PAIRS = 4
+#: Steady steps timed per block.
+BLOCK = 4
+#: Steps left untimed after the count changes (the thread pool waking up).
+SETTLE = 1
+#: The other count must be faster by this share, over the median pair and in
+#: all pairs but one, to replace the choice.
+MARGIN = 0.03
+#: Steady steps between checks after a change; doubled each time a choice holds.
+FIRST_HOLD = 96
+LONGEST_HOLD = 6144
+
+
+@runtime_checkable
+class ThreadedEngine(Protocol):
+    """An engine whose CPU thread count can change between steps."""
+
+    def set_threads(self, count: int) -> None: ...
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """One batch-size bucket's choice and the check under way."""
+
+    choice: int
+    #: Steady steps to run on ``choice`` before the next check.
+    hold: int = 0
+    #: How long the next hold lasts.
+    next_hold: int = FIRST_HOLD
+    #: The count of the block being timed, or None while holding.
+    timing: int | None = None
+    skip: int = 0
+    block: list[float] = field(default_factory=list)
+    #: Each timed block's mean seconds per row: choice, other, choice, ...
+    means: list[float] = field(default_factory=list)
+
+
+class ThreadTuner:
+    """Picks between ``most`` CPU threads and one fewer, per batch-size
+    bucket (1, 2-3, 4-7, ...), by the measured time per row of steady
+    decode steps.
+
+    Call :meth:`threads_for` before each step and :meth:`observe` after
+    the round it started; only steps whose rows match the step before them
+    are timed, so a prefill or a request joining does not count.
+    """
+
+    def __init__(self, most: int) -> None:
+        if most < 2:
+            raise ValueError("a thread count to choose needs at least 2 threads")
+        self._most = most
+        self._buckets: dict[int, _Bucket] = {}
+        self._last_rows = 0
+
+    @property
+    def choices(self) -> dict[int, int]:
+        """Each bucket's chosen count, by its smallest batch size."""
+        return {1 << (key - 1): bucket.choice for key, bucket in sorted(self._buckets.items())}
+
+    def threads_for(self, rows: int) -> int:
+        """The count to run a step of ``rows`` decode rows on (0 rows: a
+        step without a decode keeps the count in use)."""
+        if rows <= 0:
+            return 0
+        bucket = self._bucket(rows)
+        return bucket.timing if bucket.timing is not None else bucket.choice
+
+    def observe(self, rows: int, seconds: float, *, steady: bool) -> None:
+        """A step of ``rows`` decode rows took ``seconds``; ``steady``: it
+        decoded only (no prefill, no cache work)."""
+        same = steady and rows > 0 and rows == self._last_rows
+        self._last_rows = rows if steady else 0
+        if not same:
+            return
+        bucket = self._bucket(rows)
+        if bucket.timing is None:
+            bucket.hold -= 1
+            if bucket.hold <= 0:
+                bucket.timing, bucket.skip = bucket.choice, 0
+                bucket.means = []
+            return
+        if bucket.skip > 0:
+            bucket.skip -= 1
+            return
+        bucket.block.append(seconds / rows)
+        if len(bucket.block) < BLOCK:
+            return
+        bucket.means.append(statistics.fmean(bucket.block))
+        bucket.block = []
+        if len(bucket.means) < 2 * PAIRS:
+            bucket.timing, bucket.skip = self._other(bucket.timing), SETTLE
+        else:
+            self._decide(rows, bucket)
+
+    def _bucket(self, rows: int) -> _Bucket:
+        key = rows.bit_length()
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            # A new bucket is checked at once: its first steady steps decide.
+            bucket = _Bucket(choice=self._most)
+            self._buckets[key] = bucket
+        return bucket
+
+    def _other(self, count: int) -> int:
+        return self._most - 1 if count == self._most else self._most
+
+    def _decide(self, rows: int, bucket: _Bucket) -> None:
+        means = bucket.means
+        ratios = [other / kept for kept, other in zip(means[::2], means[1::2], strict=True)]
+        ratio = statistics.median(ratios)
+        wins = sum(r < 1 for r in ratios)
+        if ratio < 1 - MARGIN and wins >= PAIRS - 1:
+            other = self._other(bucket.choice)
+            logger.info(
+                "engine threads for batches of %d: %d, not %d (%.0f%% of the time per row)",
+                rows,
+                other,
+                bucket.choice,
+                ratio * 100,
+            )
+            bucket.choice = other
+            bucket.next_hold = FIRST_HOLD
+        else:
+            bucket.next_hold = min(bucket.next_hold * 2, LONGEST_HOLD)
+        bucket.hold = bucket.next_hold
+        bucket.timing = None
