@@ -60,10 +60,10 @@ def in_child_process_by_default(name: str, device: str = "auto") -> bool:
     large benchmark model kept 0.93-0.95 of the bare decode rate at
     concurrency 1 instead of 0.84-0.88; transformers on the tiny default
     model, with its thread count chosen by timing
-    (:mod:`sluiceway.actors.thread_tuner`), streamed 1.5x the tokens/s at 64
-    streams and gained at 1 and 16, while on the benchmark model the two
-    placements differed by less than the host's drift (docs/architecture.md,
-    "Engine threads"). On a GPU (Metal, CUDA) the placement is unmeasured,
+    (:mod:`sluiceway.actors.thread_tuner`), streamed 1.4-2.2x the tokens/s
+    at 64 streams and ~0.2 more of the bare rate at 16 (level at 1), while
+    on the benchmark model the two placements differed by less than the
+    host's drift (docs/architecture.md, "Engine threads"). On a GPU (Metal, CUDA) the placement is unmeasured,
     and the engine keeps its thread.
     """
     if name == "mlx":
