@@ -128,7 +128,7 @@ def _start_engine(config: ServerConfig, source: ModelSource) -> Engine:
     if in_child is None:
         in_child = in_child_process_by_default(name, config.device)
         if in_child and daemonic:
-            logger.info(
+            logger.warning(
                 "the engine runs on a thread: a daemonic worker process (as Hypercorn's own "
                 "command starts) may not start the child process it would run in"
             )

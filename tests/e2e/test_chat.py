@@ -325,6 +325,8 @@ def test_app_factory_under_the_hypercorn_command(
         events = sse_events(running, chat_body(running, stream=True, max_tokens=3))
         assert events[-1] == "[DONE]"
         assert json.loads(events[0])["model"] == "factory"
+        # Hypercorn's worker is a daemonic process: no child for the engine.
+        assert "the engine runs on a thread: a daemonic worker" in running.log()
     finally:
         running.stop()
 
