@@ -62,8 +62,8 @@ def in_child_process_by_default(name: str, device: str = "auto") -> bool:
     model, with its thread count chosen by timing
     (:mod:`sluiceway.actors.thread_tuner`), streamed 1.4-2.2x the tokens/s
     at 64 streams and ~0.2 more of the bare rate at 16 (level at 1), while
-    on the benchmark model the two placements differed by less than the
-    host's drift (docs/architecture.md, "Engine threads"). On a GPU (Metal, CUDA) the placement is unmeasured,
+    the compute-bound benchmark model lost ~0.05-0.1 at 16 in most pairings
+    (docs/architecture.md, "Engine threads"). On a GPU (Metal, CUDA) the placement is unmeasured,
     and the engine keeps its thread.
     """
     if name == "mlx":
