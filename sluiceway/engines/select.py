@@ -12,9 +12,13 @@ from __future__ import annotations
 import importlib.util
 import logging
 import re
+from typing import TYPE_CHECKING
 
 from sluiceway.engines.base import Engine
 from sluiceway.engines.loader import ModelSource
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,19 @@ def check_device(choice: str) -> str:
     if not _DEVICE.fullmatch(choice):
         raise ValueError(f"--device must be one of {', '.join(DEVICES)}, not {choice!r}")
     return choice
+
+
+def resolve_device(choice: str) -> torch.device:
+    """The transformers engine's device: ``auto`` is CUDA when a GPU is
+    visible, else the CPU."""
+    import torch
+
+    if check_device(choice) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(choice)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
+    return device
 
 
 def choose_engine(choice: str) -> str:
@@ -68,16 +85,9 @@ def in_child_process_by_default(name: str, device: str = "auto") -> bool:
     """
     if name == "mlx":
         return not _metal_available()
-    return _cpu_device(device)
-
-
-def _cpu_device(device: str) -> bool:
-    """Whether the transformers engine's ``--device`` resolves to the CPU."""
-    if device != "auto":
-        return device == "cpu"
-    import torch
-
-    return not torch.cuda.is_available()
+    # An explicit device is taken at its word; whether it exists is for the
+    # engine to say when it loads.
+    return (device if device != "auto" else resolve_device(device).type) == "cpu"
 
 
 def process_environment(name: str) -> dict[str, str]:

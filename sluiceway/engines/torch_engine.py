@@ -69,7 +69,7 @@ from sluiceway.engines.base import (
 )
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.memory import host_available_bytes
-from sluiceway.engines.select import check_device
+from sluiceway.engines.select import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -91,16 +91,6 @@ DTYPES: Mapping[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-
-def resolve_device(choice: str) -> torch.device:
-    """``auto`` is CUDA when a GPU is visible, else the CPU."""
-    if check_device(choice) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(choice)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
-    return device
 
 
 def resolve_dtype(choice: str, config: Mapping[str, Any], device: torch.device) -> torch.dtype:

@@ -12,14 +12,18 @@ import torch
 from sluiceway.engines import torch_engine
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.mlx_engine import MlxEngine
-from sluiceway.engines.select import choose_engine, in_child_process_by_default, make_engine
+from sluiceway.engines.select import (
+    choose_engine,
+    in_child_process_by_default,
+    make_engine,
+    resolve_device,
+)
 from sluiceway.engines.torch_engine import (
     KVRows,
     LayerLayout,
     TransformersEngine,
     _attention,
     _full_attention_only,
-    resolve_device,
     resolve_dtype,
     set_threads,
 )
