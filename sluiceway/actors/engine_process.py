@@ -269,19 +269,17 @@ def _child_main(conn: Connection, spec: EngineSpec) -> None:
         logger.exception("the engine could not start")
         conn.send(("error", f"{type(error).__name__}: {error}"))
         return
-    tuning = _tuning(spec, engine)
+    tuning = _tuning(engine)
     info = engine.info if tuning is None else replace(engine.info, threads_tuned=True)
     conn.send(("ok", info))
     freeze_heap()
     _serve(conn, engine, tuning)
 
 
-def _tuning(spec: EngineSpec, engine: Engine) -> _Tuning | None:
-    """Thread tuning, unless the count was given (``--engine-threads``,
-    ``OMP_NUM_THREADS``) or there is no count to choose."""
-    if spec.threads or os.environ.get("OMP_NUM_THREADS"):
-        return None
-    if not isinstance(engine, ThreadedEngine) or engine.info.threads < 2:
+def _tuning(engine: Engine) -> _Tuning | None:
+    """Thread tuning, where the count is the engine's to choose (not given
+    by ``--engine-threads`` or ``OMP_NUM_THREADS``, 2 threads or more)."""
+    if not isinstance(engine, ThreadedEngine) or not engine.tunable:
         return None
     most = engine.info.threads
     logger.info("engine threads: %d or %d per batch size, chosen by timing steps", most - 1, most)

@@ -50,6 +50,11 @@ LONGEST_HOLD = 6144
 class ThreadedEngine(Protocol):
     """An engine whose CPU thread count can change between steps."""
 
+    @property
+    def tunable(self) -> bool:
+        """No count was asked for, and there are 2 threads or more to choose from."""
+        ...
+
     def set_threads(self, count: int) -> None: ...
 
 

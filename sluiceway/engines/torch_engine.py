@@ -125,26 +125,35 @@ def _config_dtype(config: Mapping[str, Any]) -> str | None:
     return None
 
 
+def requested_threads(wanted: int = 0) -> int:
+    """The thread count asked for: ``wanted`` (``--engine-threads``), else
+    ``OMP_NUM_THREADS``; 0 when neither says one."""
+    configured = os.environ.get("OMP_NUM_THREADS", "")
+    if wanted > 0:
+        return wanted
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    return 0
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def set_threads(device: torch.device, wanted: int = 0) -> int:
     """Set torch's intra-op thread count for a CPU device; return the count in use.
 
-    ``wanted`` (``--engine-threads``) wins, then ``OMP_NUM_THREADS``;
-    otherwise every CPU in this process's affinity mask (not the host's
-    count, which containers and ``taskset`` restrict). On a host whose cores
-    are busy with other work, fewer threads can be much faster, since every
-    parallel region waits for its slowest thread: measured 4x on a contended
-    2-vCPU VM. The server's own work is such other work: see
-    docs/architecture.md, "Engine threads".
+    The count asked for (:func:`requested_threads`) wins; otherwise every
+    CPU in this process's affinity mask (not the host's count, which
+    containers and ``taskset`` restrict). On a host whose cores are busy
+    with other work, fewer threads can be much faster, since every parallel
+    region waits for its slowest thread: measured 4x on a contended 2-vCPU
+    VM. The server's own work is such other work: see docs/architecture.md,
+    "Engine threads".
     """
-    configured = os.environ.get("OMP_NUM_THREADS", "")
-    if wanted > 0:
-        threads = wanted
-    elif configured.isdigit() and int(configured) > 0:
-        threads = int(configured)
-    elif hasattr(os, "sched_getaffinity"):
-        threads = len(os.sched_getaffinity(0))
-    else:
-        threads = os.cpu_count() or 1
+    threads = requested_threads(wanted) or _usable_cpus()
     if device.type == "cpu":
         torch.set_num_threads(threads)
     return int(torch.get_num_threads())
@@ -420,6 +429,11 @@ class TransformersEngine:
         self._device = resolve_device(device)
         self._dtype = resolve_dtype(dtype, source.config, self._device)
         self._threads = set_threads(self._device, threads)
+        #: No count was asked for and there is one to choose: the child
+        #: process may pick it by timing (``tunable``).
+        self._tunable = (
+            self._device.type == "cpu" and not requested_threads(threads) and self._threads >= 2
+        )
         self._model = _load_model(source, self._device, self._dtype)
         self._cache_keyword = cache_keyword(self._model)
         self._layouts = _probe_layouts(self._model, self._device)
@@ -450,6 +464,12 @@ class TransformersEngine:
     @property
     def info(self) -> EngineInfo:
         return self._info
+
+    @property
+    def tunable(self) -> bool:
+        """Whether the thread count is the engine's to choose: a CPU device,
+        no ``--engine-threads`` or ``OMP_NUM_THREADS``, 2 threads or more."""
+        return self._tunable
 
     def set_threads(self, count: int) -> None:
         """Compute the next steps on ``count`` threads (a CPU device only;

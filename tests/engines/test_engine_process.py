@@ -11,6 +11,7 @@ import pytest
 
 from sluiceway.actors.engine_process import EngineProcessError, EngineSpec, ProcessEngine
 from sluiceway.actors.engine_work import PrefillWork, StepPlan, execute
+from sluiceway.actors.thread_tuner import ThreadedEngine
 from sluiceway.engines.base import DropKV, KeepKV, SplitKV
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.select import make_engine, process_environment
@@ -40,11 +41,7 @@ def test_the_child_decodes_as_the_engine_does(
             )
         # The child says whether it picks its thread count by timing steps:
         # the transformers engine does when given none and having 2 or more.
-        tuned = (
-            local.info.name == "transformers"
-            and local.info.threads >= 2
-            and not os.environ.get("OMP_NUM_THREADS")
-        )
+        tuned = isinstance(local, ThreadedEngine) and local.tunable
         assert in_child.info.threads_tuned is tuned
         assert replace(in_child.info, threads_tuned=False) == local.info
     finally:
@@ -247,7 +244,7 @@ def test_the_child_starts_with_the_engines_environment(monkeypatch: pytest.Monke
 class _Threaded:
     """An engine stand-in with a thread count (only what the tuning reads)."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, *, tunable: bool = True) -> None:
         from sluiceway.engines.base import EngineInfo
 
         self.info = EngineInfo(
@@ -259,6 +256,7 @@ class _Threaded:
             threads=threads,
         )
         self.threads = threads
+        self.tunable = tunable
         self.calls: list[int] = []
 
     def set_threads(self, count: int) -> None:
@@ -266,21 +264,15 @@ class _Threaded:
         self.calls.append(count)
 
 
-def test_the_child_tunes_its_threads_only_when_no_count_was_given(
-    tiny_model: ModelSource, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_child_tunes_its_threads_only_where_the_engine_may_choose() -> None:
+    """Whether a count was asked for is the engine's to say (``tunable``:
+    ``test_only_an_engine_given_no_thread_count_is_tunable``); an engine
+    that cannot change its count is never tuned."""
     from sluiceway.actors.engine_process import _tuning
 
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    spec = EngineSpec(choice="transformers", source=tiny_model, device="cpu", dtype="auto")
-    assert _tuning(spec, _Threaded(2)) is not None  # type: ignore[arg-type]
-    assert _tuning(spec, _Threaded(1)) is None  # type: ignore[arg-type]
-    given = EngineSpec(
-        choice="transformers", source=tiny_model, device="cpu", dtype="auto", threads=2
-    )
-    assert _tuning(given, _Threaded(2)) is None  # type: ignore[arg-type]
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert _tuning(spec, _Threaded(2)) is None  # type: ignore[arg-type]
+    assert _tuning(_Threaded(2)) is not None  # type: ignore[arg-type]
+    assert _tuning(_Threaded(2, tunable=False)) is None  # type: ignore[arg-type]
+    assert _tuning(object()) is None  # type: ignore[arg-type]
 
 
 def test_the_tuning_times_each_round_and_applies_the_faster_count() -> None:

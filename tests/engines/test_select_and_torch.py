@@ -279,3 +279,32 @@ def test_a_daemonic_worker_keeps_the_engine_on_its_thread(
     finally:
         engine.close()
         torch.set_num_threads(before)
+
+
+def test_only_an_engine_given_no_thread_count_is_tunable(
+    tiny_model: ModelSource, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--engine-threads`` and ``OMP_NUM_THREADS`` are the user's choice;
+    the child process tunes only when neither says one and there are 2
+    threads or more to choose from."""
+    before = torch.get_num_threads()
+
+    def tunable(threads: int = 0) -> bool:
+        engine = TransformersEngine(tiny_model, device="cpu", dtype="float32", threads=threads)
+        try:
+            return engine.tunable
+        finally:
+            engine.close()
+
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setattr(torch_engine, "_usable_cpus", lambda: 2)
+        assert tunable()
+        assert not tunable(threads=2)
+        monkeypatch.setattr(torch_engine, "_usable_cpus", lambda: 1)
+        assert not tunable()
+        monkeypatch.setattr(torch_engine, "_usable_cpus", lambda: 2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert not tunable()
+    finally:
+        torch.set_num_threads(before)
