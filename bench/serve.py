@@ -32,7 +32,8 @@ the targets met or missed, and our pipeline's cost per streamed token.
     .venv/bin/python bench/serve.py [--engine transformers|mlx|both] [--quick]
         [--models large tiny] [--concurrency 1 4 16 64] [--no-peers] [--trace]
         [--server-args='--engine-process'] [--server-env K=V ...]
-        [--load greedy|sampled|top5] [--body JSON] [--output bench/serve-results.md]
+        [--load greedy|sampled|top5] [--body JSON] [--keep-logs]
+        [--output bench/serve-results.md]
 
 The default run takes about 17 minutes on a 2-core host, ``--quick`` about 3.
 The host is measured for other load (``bench/hostload.py``): a measurement
