@@ -387,7 +387,7 @@ def _for_pipe(plan: StepPlan, outcome: StepOutcome) -> StepOutcome | _GreedyDeco
     if not plan.greedy:
         return outcome
     decoded, greedy = outcome.decode, outcome.decode_greedy
-    plain = not outcome.prefills and outcome.cache_error is None
+    plain = not outcome.prefills and outcome.cache_error is None and outcome.decode_logprobs is None
     if plain and decoded is not None and greedy is not None:
         return _GreedyDecode(decoded.slots, greedy.astype(np.int64, copy=False).tobytes())
     for prefilled in outcome.prefills:
@@ -399,6 +399,7 @@ def _for_pipe(plan: StepPlan, outcome: StepOutcome) -> StepOutcome | _GreedyDeco
             decode=DecodeResult(decoded.slots, decoded.logits[:, :0]),
             decode_error=outcome.decode_error,
             decode_greedy=greedy,
+            decode_logprobs=outcome.decode_logprobs,
             cache_error=outcome.cache_error,
         )
     return outcome

@@ -29,6 +29,7 @@ import sniffio
 
 from sluiceway.actors.channels import event_factory
 from sluiceway.actors.logprobs import reduce_targets
+from sluiceway.actors.sampling import Draw, draw_rows
 from sluiceway.engines.base import CacheOp, DecodeResult, Engine, KeepKV, Logits
 from sluiceway.engines.grammar import Bitmask, mask_logits
 from sluiceway.engines.memory import give_back_heap
@@ -203,6 +204,10 @@ class StepPlan:
     decoded row with a grammar (or ``min_tokens``) to obey has its mask in
     ``masks`` (by slot: the tokens it may pick, as the sampler would mask
     them), and its pick is the argmax among those.
+    ``draws`` (by slot) are the decoded rows the engine thread picks
+    otherwise, in a step it picks the tokens of: sampled rows, and rows that
+    want logprobs, with nothing to adjust (``Row.unadjusted``); their
+    logprobs come back in ``StepOutcome.decode_logprobs``.
     ``cache_ops`` (prefix-cache edits, and copies of finished rows) run
     first, before ``frees``."""
 
@@ -212,6 +217,7 @@ class StepPlan:
     decode: Mapping[int, int] = field(default_factory=dict)
     greedy: bool = False
     masks: Mapping[int, Bitmask] = field(default_factory=dict)
+    draws: Mapping[int, Draw] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -230,8 +236,11 @@ class StepOutcome:
     prefills: list[PrefillOutcome]
     decode: DecodeResult | None = None
     decode_error: str | None = None
-    #: The argmax of each decoded row, in a greedy step.
+    #: The token of each decoded row, in a greedy step: its argmax, or its
+    #: pick by the plan's ``draws``.
     decode_greedy: npt.NDArray[np.int64] | None = None
+    #: The logprobs of each decoded row, when a drawn row asked for them.
+    decode_logprobs: list[TokenLogprob | None] | None = None
     #: Why the plan's ``cache_ops`` did not all run.
     cache_error: str | None = None
 
@@ -290,8 +299,21 @@ def execute(engine: Engine, plan: StepPlan, *, decoded: DecodeResult | None = No
             if prefilled.logits is not None:
                 prefilled.greedy = prefilled.logits.argmax(axis=-1)
         if outcome.decode is not None:
-            outcome.decode_greedy = greedy_picks(outcome.decode, plan.masks)
+            picks = greedy_picks(outcome.decode, plan.masks)
+            if plan.draws:
+                outcome.decode_logprobs = _draw(outcome.decode, picks, plan.draws)
+            outcome.decode_greedy = picks
     return outcome
+
+
+def _draw(
+    decoded: DecodeResult, picks: npt.NDArray[np.int64], draws: Mapping[int, Draw]
+) -> list[TokenLogprob | None] | None:
+    """Pick the drawn rows of a decode (in ``picks``): sampled here, where
+    the logits are, the logits need not travel to the sampler, and the next
+    step is decoded ahead of its plan as a greedy one is."""
+    rows = [(i, draws[slot]) for i, slot in enumerate(decoded.slots) if slot in draws]
+    return draw_rows(decoded.logits, picks, rows)
 
 
 def release_memory(engine: Engine) -> None:

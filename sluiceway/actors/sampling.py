@@ -23,8 +23,15 @@ import numpy as np
 import numpy.typing as npt
 
 from sluiceway.actors.guide import GuideState, RowGuide
+from sluiceway.actors.logprobs import reduce_rows
 from sluiceway.engines.grammar import Bitmask, GrammarEngine, GrammarError, without
-from sluiceway.protocol.messages import ConstraintReport, Row, SamplingParams
+from sluiceway.protocol.messages import (
+    ConstraintReport,
+    LogprobParams,
+    Row,
+    SamplingParams,
+    TokenLogprob,
+)
 
 FloatArray = npt.NDArray[np.float32]
 
@@ -46,6 +53,19 @@ class RowState:
 def row_generator(params: SamplingParams, choice: int) -> np.random.Generator:
     entropy = [params.seed, choice] if params.seed is not None else None
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
+
+
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """How the engine picks an unadjusted row's token itself (``Row.unadjusted``):
+    its parameters, its one draw from its generator for this step (the
+    generator stays with the :class:`Sampler`), and the logprobs to reduce,
+    if any, from the raw or (``processed``) the sampled distribution."""
+
+    sampling: SamplingParams
+    uniform: float
+    logprobs: LogprobParams | None = None
+    processed: bool = False
 
 
 @dataclass(slots=True)
@@ -99,11 +119,21 @@ class Sampler:
             if row.sampling.greedy:
                 token_ids[i] = int(x.argmax())
             else:
-                token_ids[i] = _draw(x, row.sampling, state.rng, keep=keep_processed)
+                token_ids[i] = draw(x, row.sampling, state.rng.random(), keep=keep_processed)
         self._record(states, token_ids)
         return SampleResult(
             token_ids, processed if keep_processed else None, _advance_guides(states, token_ids)
         )
+
+    def uniforms(self, live: Sequence[Row], drawn: Sequence[Row]) -> list[float]:
+        """This step's draw of each of ``drawn`` (rows of ``live``, every row
+        the step decodes) from its generator: 0.0 for a greedy row, which
+        draws nothing. Exactly one number per sampled row and step, as
+        :meth:`sample` takes, so a seeded choice gives the same tokens
+        whether the engine or this sampler picks them."""
+        self._sync_states(live)
+        states = self._states
+        return [0.0 if r.sampling.greedy else states[r.key].rng.random() for r in drawn]
 
     def take(self, rows: Sequence[Row], token_ids: Sequence[int]) -> ConstraintReport | None:
         """Take the tokens the engine picked in a greedy step (each guided
@@ -255,9 +285,14 @@ def _adjust(x: FloatArray, params: SamplingParams, state: RowState) -> None:
         x[seen] -= params.frequency_penalty * times + params.presence_penalty
 
 
-def _draw(x: FloatArray, params: SamplingParams, rng: np.random.Generator, *, keep: bool) -> int:
-    """Sample one id from one row of adjusted logits (modified in place; with
-    ``keep``, left as the log-distribution sampled from)."""
+def draw(x: FloatArray, params: SamplingParams, uniform: float, *, keep: bool) -> int:
+    """Sample one id from one row of adjusted logits by inverting its
+    cumulative distribution at ``uniform`` (the row's one draw from its
+    generator for this step, in [0, 1)). ``x`` is modified in place; with
+    ``keep``, left as the log-distribution sampled from.
+
+    The draw comes in as a number so that the engine can sample a row where
+    its logits are (:func:`draw_rows`) while the generator stays here."""
     x /= np.float32(params.temperature)
     vocab = x.shape[0]
     if 0 < params.top_k < vocab:
@@ -274,7 +309,7 @@ def _draw(x: FloatArray, params: SamplingParams, rng: np.random.Generator, *, ke
         with np.errstate(divide="ignore"):
             x[:] = np.log(probs / total)
     cumulative = np.cumsum(probs, dtype=np.float64)
-    index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    index = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
     return min(index, vocab - 1) if probs[min(index, vocab - 1)] > 0 else int(probs.argmax())
 
 
@@ -292,3 +327,35 @@ def _nucleus(probs: FloatArray, top_p: float) -> None:
     mask = np.zeros(probs.shape[0], dtype=bool)
     mask[order[:keep]] = True
     probs[~mask] = 0.0
+
+
+def draw_rows(
+    logits: FloatArray, picks: npt.NDArray[np.int64], draws: Sequence[tuple[int, Draw]]
+) -> list[TokenLogprob | None] | None:
+    """Pick the drawn rows of a step where its logits are: ``draws`` are
+    (row index, draw) pairs; ``picks`` (every row's argmax) is overwritten at
+    the sampled rows. Returns each row's logprobs (None where a row asked for
+    none), or None when no row asked. The same arithmetic as
+    :meth:`Sampler.sample` and ``reduce_rows``, so the tokens and logprobs
+    are the ones the sampler would have made."""
+    sources: list[FloatArray] = []
+    scored: list[int] = []
+    params: list[LogprobParams] = []
+    for index, spec in draws:
+        row = logits[index]
+        if not spec.sampling.greedy:
+            x = np.array(row, dtype=np.float32, copy=True)
+            keep = spec.processed and spec.logprobs is not None
+            picks[index] = draw(x, spec.sampling, spec.uniform, keep=keep)
+            row = x if keep else row
+        if spec.logprobs is not None:
+            sources.append(row)
+            scored.append(index)
+            params.append(spec.logprobs)
+    if not scored:
+        return None
+    reduced = reduce_rows(np.stack(sources), [int(picks[i]) for i in scored], params)
+    result: list[TokenLogprob | None] = [None] * len(picks)
+    for index, logprob in zip(scored, reduced, strict=True):
+        result[index] = logprob
+    return result

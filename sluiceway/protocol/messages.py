@@ -176,6 +176,19 @@ class Row:
         """Greedy with nothing to adjust and no logprobs: an argmax."""
         return is_argmax(self.sampling, self.logprobs, self.constraint) and not self.suppress
 
+    @property
+    def unadjusted(self) -> bool:
+        """Its token depends on its logits alone (and, sampled, its one
+        random draw): no grammar, bias, penalties or suppressed ids. Such a
+        row can be picked where the logits are (``StepPlan.draws``)."""
+        sampling = self.sampling
+        return (
+            self.constraint is None
+            and not sampling.logit_bias
+            and not sampling.penalised
+            and not self.suppress
+        )
+
 
 def is_argmax(
     sampling: SamplingParams, logprobs: LogprobParams, constraint: Constraint | None
