@@ -195,6 +195,9 @@ class PrefillWork:
     restore: tuple[int, ...] = ()
     restore_length: int = 0
     keep: KeepKV | None = None
+    #: In a step whose tokens the engine picks, the final chunk of a request
+    #: whose choices are drawn: one draw per choice (``slot``, then ``forks``).
+    draws: tuple[Draw, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -225,8 +228,11 @@ class PrefillOutcome:
     logits: Logits | None = None
     scores: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
-    #: The argmax of ``logits``, in a greedy step.
+    #: The first token, in a step whose tokens the engine picks: the argmax
+    #: of ``logits``, or with ``PrefillWork.draws`` each choice's pick.
     greedy: npt.NDArray[np.int64] | None = None
+    #: Each choice's logprobs for its drawn first token, where one asked.
+    first_logprobs: list[TokenLogprob | None] | None = None
     #: The work's ``keep`` was carried out.
     kept: bool = False
 
@@ -295,8 +301,14 @@ def execute(engine: Engine, plan: StepPlan, *, decoded: DecodeResult | None = No
             outcome.decode_error = f"decode failed: {error}"
     if plan.greedy:
         # An argmax is cheaper than a round trip to the sampler and back.
-        for prefilled in outcome.prefills:
-            if prefilled.logits is not None:
+        for work, prefilled in zip(plan.prefills, outcome.prefills, strict=True):
+            if prefilled.logits is None:
+                continue
+            if work.draws:
+                prefilled.greedy, prefilled.first_logprobs = _draw_first(
+                    prefilled.logits, work.draws
+                )
+            else:
                 prefilled.greedy = prefilled.logits.argmax(axis=-1)
         if outcome.decode is not None:
             picks = greedy_picks(outcome.decode, plan.masks)
@@ -314,6 +326,15 @@ def _draw(
     step is decoded ahead of its plan as a greedy one is."""
     rows = [(i, draws[slot]) for i, slot in enumerate(decoded.slots) if slot in draws]
     return draw_rows(decoded.logits, picks, rows)
+
+
+def _draw_first(
+    logits: Logits, draws: tuple[Draw, ...]
+) -> tuple[npt.NDArray[np.int64], list[TokenLogprob | None] | None]:
+    """Each choice's first token from its prompt's last logits, and its logprobs."""
+    block = np.repeat(np.asarray(logits[-1:], dtype=np.float32), len(draws), axis=0)
+    picks: npt.NDArray[np.int64] = block.argmax(axis=-1)
+    return picks, draw_rows(block, picks, list(enumerate(draws)))
 
 
 def release_memory(engine: Engine) -> None:

@@ -138,8 +138,11 @@ def _prediction(plan: StepPlan, outcome: StepOutcome) -> dict[int, int] | None:
         }
     for work, prefilled in zip(plan.prefills, outcome.prefills, strict=True):
         if work.final and prefilled.greedy is not None and prefilled.error is None:
-            first = int(prefilled.greedy[-1])
-            tokens.update(dict.fromkeys((work.slot, *work.forks), first))
+            slots = (work.slot, *work.forks)
+            if work.draws:  # a pick per choice
+                tokens.update(zip(slots, prefilled.greedy.tolist(), strict=True))
+            else:
+                tokens.update(dict.fromkeys(slots, int(prefilled.greedy[-1])))
     return tokens or None
 
 

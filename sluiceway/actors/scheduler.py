@@ -524,13 +524,28 @@ class Scheduler:
         if planned is None:
             return None
         plan, drawn = planned
-        if drawn and self._guides is not None:
-            # Only now, for a step the engine picks the tokens of: a row takes
-            # one draw per step, and a sampled step draws in the sampler.
-            live = [self._row(c) for c in self._rows.values() if c.generated > 0]
-            draws = await self._guides.draws(live, [self._row(c) for c in drawn])
-            plan = replace(plan, draws={c.slot: d for c, d in zip(drawn, draws, strict=True)})
-        return plan
+        if not plan.greedy or self._guides is None:
+            return plan
+        starting = {
+            work.request_id: _first_rows(self._requests[work.request_id].spec)
+            for work in plan.prefills
+            if work.final and not _starts_plain(self._requests[work.request_id].spec)
+        }
+        if not (drawn or starting):
+            return plan
+        # Only now, for a step the engine picks the tokens of: a row takes
+        # one draw per step, and a sampled step draws in the sampler.
+        first = [row for rows in starting.values() for row in rows]
+        live = [self._row(c) for c in self._rows.values() if c.generated > 0] + first
+        draws = iter(await self._guides.draws(live, [self._row(c) for c in drawn] + first))
+        by_slot = {choice.slot: next(draws) for choice in drawn}
+        prefills = tuple(
+            replace(work, draws=tuple(next(draws) for _ in starting[work.request_id]))
+            if work.final and work.request_id in starting
+            else work
+            for work in plan.prefills
+        )
+        return replace(plan, draws=by_slot, prefills=prefills)
 
     async def _greedy_masks(self) -> dict[int, Bitmask]:
         """The masks that let the next step be greedy with masked rows in it
@@ -605,7 +620,10 @@ class Scheduler:
             return None
         starting = [self._requests[w.request_id] for w in prefills if w.final]
         drawn = self._drawn(decoding, masks)
-        greedy = drawn is not None and all(_starts_plain(r.spec) for r in starting)
+        greedy = drawn is not None and all(
+            _starts_plain(r.spec) or (self._guides is not None and _starts_unadjusted(r.spec))
+            for r in starting
+        )
         plan = StepPlan(
             cache_ops=cache_ops,
             frees=frees,
@@ -799,7 +817,12 @@ class Scheduler:
                 request.scores += result.scores
             if work.final and result.logits is not None:
                 for choice in self._start_choices(request):
-                    rows.add([choice], result.logits, result.greedy, None)
+                    picks, scores = result.greedy, None
+                    if work.draws and picks is not None:  # a pick per choice
+                        picks = picks[choice.index : choice.index + 1]
+                        if result.first_logprobs is not None:
+                            scores = [result.first_logprobs[choice.index]]
+                    rows.add([choice], result.logits, picks, scores)
         if outcome.decode_error is not None:
             for choice in [c for c in self._rows.values() if c.generated > 0]:
                 if choice.request.spec.request_id in self._requests:
@@ -1140,6 +1163,34 @@ def _greedy_suppressing(row: Row) -> bool:
     """A free greedy row held back from EOS and stop tokens (``min_tokens``):
     an argmax among every other id, as the sampler would pick."""
     return bool(row.suppress) and _masked_argmax(row)
+
+
+def _starts_unadjusted(spec: GenerationRequest) -> bool:
+    """Whether a request's first tokens can be drawn by the engine (its
+    first rows are ``Row.unadjusted``)."""
+    sampling = spec.sampling
+    return (
+        spec.constraint is None
+        and not sampling.logit_bias
+        and not sampling.penalised
+        and spec.limits.min_tokens == 0
+    )
+
+
+def _first_rows(spec: GenerationRequest) -> list[Row]:
+    """The rows of a request's choices for their first token, as ``_row`` makes them."""
+    return [
+        Row(
+            request_id=spec.request_id,
+            choice=index,
+            sampling=spec.sampling,
+            logprobs=spec.logprobs,
+            prompt_ids=spec.prompt_ids,
+            first=True,
+            constraint=spec.constraint,
+        )
+        for index in range(spec.n)
+    ]
 
 
 def _starts_plain(spec: GenerationRequest) -> bool:

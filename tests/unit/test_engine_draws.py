@@ -142,14 +142,16 @@ class _Spread(FakeEngine):
         return out
 
 
-async def _seeded_run(*, penalised_companion: bool, counted: list[int]) -> dict[str, list[Any]]:
-    """Two seeded sampled requests with top-3 logprobs (and maybe a third,
-    penalised one, which makes every step go through the sampler); each
-    request's tokens and logprobs."""
+async def _seeded_run(
+    *, penalised_companion: bool, counted: list[int]
+) -> dict[tuple[str, int], list[Any]]:
+    """Two seeded sampled requests with top-3 logprobs, the second with two
+    choices (and maybe a third request, penalised, which makes every step go
+    through the sampler); each choice's tokens and logprobs."""
     engine = _Spread()
     config = SchedulerConfig(eos_ids=frozenset({EOS}))
     names = ["a", "b"] + (["p"] if penalised_companion else [])
-    results: dict[str, list[Any]] = {}
+    results: dict[tuple[str, int], list[Any]] = {}
 
     async def body(handle: SchedulerHandle) -> None:
         streams = {}
@@ -158,19 +160,17 @@ async def _seeded_run(*, penalised_companion: bool, counted: list[int]) -> dict[
                 temperature=1.0, seed=ord(name), presence_penalty=0.5 if name == "p" else 0.0
             )
             spec = replace(
-                request(name, [1, 2, 3], max_tokens=12),
+                request(name, [1, 2, 3], max_tokens=12, n=2 if name == "b" else 1),
                 sampling=params,
                 logprobs=LogprobParams(top=3),
             )
             streams[name] = submit(handle, spec)
         for name, stream in streams.items():
             messages = await collect(stream)
-            results[name] = [
-                (s.token_id, s.logprob)
-                for m in messages
-                if isinstance(m, StepOutput)
-                for s in m.samples
-            ]
+            for m in messages:
+                if isinstance(m, StepOutput):
+                    for s in m.samples:
+                        results.setdefault((name, s.choice), []).append((s.token_id, s.logprob))
 
     sample = Sampler.sample
 
@@ -190,14 +190,16 @@ async def test_seeded_requests_read_the_same_whether_the_engine_or_the_sampler_p
     alone = await _seeded_run(penalised_companion=False, counted=drawn_steps)
     sampler_steps: list[int] = []
     beside = await _seeded_run(penalised_companion=True, counted=sampler_steps)
-    assert alone["a"] == beside["a"]
-    assert alone["b"] == beside["b"]
-    assert len(alone["a"]) == 12
-    assert all(logprob is not None and len(logprob.top) == 3 for _, logprob in alone["a"])
-    # Alone, the sampler saw only the steps where the requests started; the
-    # engine drew the other 11 tokens of each.
-    assert sum(drawn_steps) <= 4
-    assert sum(sampler_steps) >= 3 * 12
+    choices = [("a", 0), ("b", 0), ("b", 1)]
+    for key in choices:
+        assert alone[key] == beside[key]
+        assert len(alone[key]) == 12
+        assert all(logprob is not None and len(logprob.top) == 3 for _, logprob in alone[key])
+    # Each choice its own stream, the two forks of one prompt included.
+    assert alone[("b", 0)] != alone[("b", 1)]
+    # Alone, the engine drew every token, the first ones included.
+    assert drawn_steps == []
+    assert sum(sampler_steps) >= 4 * 12
 
 
 def test_the_step_sampler_lends_draws_only_with_the_logprobs_it_would_reduce() -> None:
