@@ -144,7 +144,7 @@ class StepSampler:
         scored = self._reduce and self.config.forward_logits
         processed = self.config.processed_logprobs
         return [
-            Draw(
+            Draw.of(
                 row.sampling,
                 uniform,
                 row.logprobs if scored and row.logprobs.per_token else None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from sluiceway.protocol.constraints import Constraint
 
@@ -310,8 +310,11 @@ RequestOutput = StepOutput | PromptScores | PromptCached | RequestFailed
 # --- output actor -> emitter -------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TopLogprob:
+class TopLogprob(NamedTuple):
+    """One alternative of a logprob entry. A named tuple, not a dataclass like
+    the messages around it: a token with top-20 logprobs makes twenty, and a
+    tuple is built in a third of a frozen dataclass's time."""
+
     token: str
     token_id: int
     logprob: float

@@ -78,7 +78,7 @@ def test_drawn_rows_get_the_samplers_tokens_and_logprobs(
         draws = [
             (
                 i,
-                Draw(
+                Draw.of(
                     rows[i].sampling,
                     u,
                     rows[i].logprobs if rows[i].logprobs.per_token else None,
@@ -99,7 +99,7 @@ def test_drawn_rows_get_the_samplers_tokens_and_logprobs(
 def test_a_greedy_row_with_logprobs_is_drawn_without_a_draw() -> None:
     logits = np.array([[0.0, 2.0, 1.0]], dtype=np.float32)
     picks = logits.argmax(axis=-1)
-    greedy = Draw(SamplingParams(temperature=0.0), 0.0, LogprobParams(top=2))
+    greedy = Draw.of(SamplingParams(temperature=0.0), 0.0, LogprobParams(top=2))
     scores = draw_rows(logits, picks, [(0, greedy)])
     assert picks.tolist() == [1]
     assert scores is not None
@@ -119,7 +119,7 @@ def test_execute_draws_the_planned_rows_and_leaves_the_others_their_argmax() -> 
     plan = StepPlan(
         decode={0: 3, 1: 4},
         greedy=True,
-        draws={1: Draw(SamplingParams(temperature=1.0), uniform, LogprobParams(top=1))},
+        draws={1: Draw.of(SamplingParams(temperature=1.0), uniform, LogprobParams(top=1))},
     )
     outcome: StepOutcome = execute(engine, plan)
     assert outcome.decode_greedy is not None

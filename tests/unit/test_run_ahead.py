@@ -266,7 +266,7 @@ def test_drawn_rows_and_drawn_forks_are_decoded_ahead_with_their_picks() -> None
     of a drawn prompt each join with their own first token."""
     engine = HistoryEngine()
     runner = RunAhead(engine)
-    draws = tuple(Draw(SamplingParams(temperature=1.0), u) for u in (0.05, 0.95))
+    draws = tuple(Draw.of(SamplingParams(temperature=1.0), u) for u in (0.05, 0.95))
     prompt = PrefillWork(
         request_id="r0", slot=0, tokens=(1, 2), final=True, forks=(1,), draws=draws
     )
