@@ -380,9 +380,10 @@ class _GreedyDecode:
 def _for_pipe(plan: StepPlan, outcome: StepOutcome) -> StepOutcome | _GreedyDecode:
     """``outcome`` minus what the parent will not read.
 
-    In a greedy step the scheduler uses only the engine's argmax, so the
-    logits stay here (a zero-width view keeps each block's row count); the
-    usual step, a greedy decode with nothing else, goes as a ``_GreedyDecode``.
+    In a step whose tokens the engine picked the scheduler uses only the
+    picks (and the drawn rows' logprobs), so the logits stay here (a
+    zero-width view keeps each block's row count); the usual step, a decode
+    with nothing else and no logprobs, goes as a ``_GreedyDecode``.
     """
     if not plan.greedy:
         return outcome
