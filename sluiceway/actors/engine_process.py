@@ -380,14 +380,15 @@ class _GreedyDecode:
 def _for_pipe(plan: StepPlan, outcome: StepOutcome) -> StepOutcome | _GreedyDecode:
     """``outcome`` minus what the parent will not read.
 
-    In a greedy step the scheduler uses only the engine's argmax, so the
-    logits stay here (a zero-width view keeps each block's row count); the
-    usual step, a greedy decode with nothing else, goes as a ``_GreedyDecode``.
+    In a step whose tokens the engine picked the scheduler uses only the
+    picks (and the drawn rows' logprobs), so the logits stay here (a
+    zero-width view keeps each block's row count); the usual step, a decode
+    with nothing else and no logprobs, goes as a ``_GreedyDecode``.
     """
     if not plan.greedy:
         return outcome
     decoded, greedy = outcome.decode, outcome.decode_greedy
-    plain = not outcome.prefills and outcome.cache_error is None
+    plain = not outcome.prefills and outcome.cache_error is None and outcome.decode_logprobs is None
     if plain and decoded is not None and greedy is not None:
         return _GreedyDecode(decoded.slots, greedy.astype(np.int64, copy=False).tobytes())
     for prefilled in outcome.prefills:
@@ -399,6 +400,7 @@ def _for_pipe(plan: StepPlan, outcome: StepOutcome) -> StepOutcome | _GreedyDeco
             decode=DecodeResult(decoded.slots, decoded.logits[:, :0]),
             decode_error=outcome.decode_error,
             decode_greedy=greedy,
+            decode_logprobs=outcome.decode_logprobs,
             cache_error=outcome.cache_error,
         )
     return outcome

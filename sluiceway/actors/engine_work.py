@@ -29,6 +29,7 @@ import sniffio
 
 from sluiceway.actors.channels import event_factory
 from sluiceway.actors.logprobs import reduce_targets
+from sluiceway.actors.sampling import Draw, draw_rows
 from sluiceway.engines.base import CacheOp, DecodeResult, Engine, KeepKV, Logits
 from sluiceway.engines.grammar import Bitmask, mask_logits
 from sluiceway.engines.memory import give_back_heap
@@ -194,6 +195,9 @@ class PrefillWork:
     restore: tuple[int, ...] = ()
     restore_length: int = 0
     keep: KeepKV | None = None
+    #: In a step whose tokens the engine picks, the final chunk of a request
+    #: whose choices are drawn: one draw per choice (``slot``, then ``forks``).
+    draws: tuple[Draw, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -203,6 +207,10 @@ class StepPlan:
     decoded row with a grammar (or ``min_tokens``) to obey has its mask in
     ``masks`` (by slot: the tokens it may pick, as the sampler would mask
     them), and its pick is the argmax among those.
+    ``draws`` (by slot) are the decoded rows the engine thread picks
+    otherwise, in a step it picks the tokens of: sampled rows, and rows that
+    want logprobs, with nothing to adjust (``Row.unadjusted``); their
+    logprobs come back in ``StepOutcome.decode_logprobs``.
     ``cache_ops`` (prefix-cache edits, and copies of finished rows) run
     first, before ``frees``."""
 
@@ -212,6 +220,7 @@ class StepPlan:
     decode: Mapping[int, int] = field(default_factory=dict)
     greedy: bool = False
     masks: Mapping[int, Bitmask] = field(default_factory=dict)
+    draws: Mapping[int, Draw] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -219,8 +228,11 @@ class PrefillOutcome:
     logits: Logits | None = None
     scores: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
-    #: The argmax of ``logits``, in a greedy step.
+    #: The first token, in a step whose tokens the engine picks: the argmax
+    #: of ``logits``, or with ``PrefillWork.draws`` each choice's pick.
     greedy: npt.NDArray[np.int64] | None = None
+    #: Each choice's logprobs for its drawn first token, where one asked.
+    first_logprobs: list[TokenLogprob | None] | None = None
     #: The work's ``keep`` was carried out.
     kept: bool = False
 
@@ -230,8 +242,11 @@ class StepOutcome:
     prefills: list[PrefillOutcome]
     decode: DecodeResult | None = None
     decode_error: str | None = None
-    #: The argmax of each decoded row, in a greedy step.
+    #: The token of each decoded row, in a greedy step: its argmax, or its
+    #: pick by the plan's ``draws``.
     decode_greedy: npt.NDArray[np.int64] | None = None
+    #: The logprobs of each decoded row, when a drawn row asked for them.
+    decode_logprobs: list[TokenLogprob | None] | None = None
     #: Why the plan's ``cache_ops`` did not all run.
     cache_error: str | None = None
 
@@ -286,12 +301,40 @@ def execute(engine: Engine, plan: StepPlan, *, decoded: DecodeResult | None = No
             outcome.decode_error = f"decode failed: {error}"
     if plan.greedy:
         # An argmax is cheaper than a round trip to the sampler and back.
-        for prefilled in outcome.prefills:
-            if prefilled.logits is not None:
+        for work, prefilled in zip(plan.prefills, outcome.prefills, strict=True):
+            if prefilled.logits is None:
+                continue
+            if work.draws:
+                prefilled.greedy, prefilled.first_logprobs = _draw_first(
+                    prefilled.logits, work.draws
+                )
+            else:
                 prefilled.greedy = prefilled.logits.argmax(axis=-1)
         if outcome.decode is not None:
-            outcome.decode_greedy = greedy_picks(outcome.decode, plan.masks)
+            picks = greedy_picks(outcome.decode, plan.masks)
+            if plan.draws:
+                outcome.decode_logprobs = _draw(outcome.decode, picks, plan.draws)
+            outcome.decode_greedy = picks
     return outcome
+
+
+def _draw(
+    decoded: DecodeResult, picks: npt.NDArray[np.int64], draws: Mapping[int, Draw]
+) -> list[TokenLogprob | None] | None:
+    """Pick the drawn rows of a decode (in ``picks``): sampled here, where
+    the logits are, the logits need not travel to the sampler, and the next
+    step is decoded ahead of its plan as a greedy one is."""
+    rows = [(i, draws[slot]) for i, slot in enumerate(decoded.slots) if slot in draws]
+    return draw_rows(decoded.logits, picks, rows)
+
+
+def _draw_first(
+    logits: Logits, draws: tuple[Draw, ...]
+) -> tuple[npt.NDArray[np.int64], list[TokenLogprob | None] | None]:
+    """Each choice's first token from its prompt's last logits, and its logprobs."""
+    block = np.repeat(np.asarray(logits[-1:], dtype=np.float32), len(draws), axis=0)
+    picks: npt.NDArray[np.int64] = block.argmax(axis=-1)
+    return picks, draw_rows(block, picks, list(enumerate(draws)))
 
 
 def release_memory(engine: Engine) -> None:

@@ -100,11 +100,12 @@ class EntryFactory:
         self._token = table.entry_parts
 
     def entry(self, token_id: int, logprob: TokenLogprob) -> LogprobEntry:
-        token, raw = self._token(token_id)
+        parts = self._token
+        token, raw = parts(token_id)
         tops = []
         for t, v in logprob.top:
-            top_token, top_raw = self._token(t)
-            tops.append(TopLogprob(token=top_token, token_id=t, logprob=v, bytes=top_raw))
+            text, data = parts(t)
+            tops.append(TopLogprob(text, t, v, data))  # positional: built per alternative
         return LogprobEntry(
             token=token,
             token_id=token_id,

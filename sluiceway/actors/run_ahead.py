@@ -1,6 +1,8 @@
-"""Decoding one greedy step ahead of the scheduler, where the engine runs.
+"""Decoding one step ahead of the scheduler, where the engine runs.
 
-After a greedy step the engine already knows every row's next token, and in
+After a step whose tokens it picked (a greedy step, or one whose sampled rows
+it drew: ``StepPlan.draws``) the engine already knows every row's next
+token, and in
 the steady state the scheduler's next plan is exactly "decode these rows with
 those tokens". The engine thread does not wait for the plan: it hands the
 step's outcome to the event loop and starts that decode at once, while the
@@ -12,16 +14,18 @@ What the plan may differ in, and how that is met:
 
 - rows that finished or were cancelled are freed: the step taken ahead
   computed them too; their results are dropped and the others kept;
-- prompts to prefill: run as usual. A row whose prompt a greedy step has just
-  prefilled is foreseeable too (its first token is the prompt's argmax), and
-  joins the decode taken ahead, so a new request does not cost the engine a
-  round trip to the event loop on its first decode;
+- prompts to prefill: run as usual. A row whose prompt such a step has just
+  prefilled is foreseeable too (its first token is the prompt's argmax, or
+  each choice's draw), and joins the decode taken ahead, so a new request
+  does not cost the engine a round trip to the event loop on its first
+  decode;
 - anything else (a row with another token, a row joining, a non-decode call):
   the step is taken back with :meth:`Engine.undo_decode` and the plan runs
   as if nothing had happened.
 
-Greedy decoding is a pure function of the tokens, so a step served from
-ahead is bit-identical to the step the plan would have run.
+A decode is a pure function of the tokens, so a step served from ahead is
+bit-identical to the step the plan would have run; a drawn row's pick from
+it is made when its plan comes, with the plan's draw.
 
 A greedy constrained row's token is the argmax under the grammar mask its
 plan carried (``StepPlan.masks``), so the step ahead feeds only tokens the
@@ -123,9 +127,8 @@ class RunAhead:
 
 def _prediction(plan: StepPlan, outcome: StepOutcome) -> dict[int, int] | None:
     """The next step's decode, when the scheduler's next plan is foreseeable:
-    every decoded row with its argmax, and every row whose prompt was just
-    prefilled (its choices' forks too) joining with the prompt's argmax, which
-    is the first token a greedy request takes."""
+    every decoded row with the engine's pick, and every row whose prompt was
+    just prefilled (its choices' forks too) joining with its first token."""
     if not plan.greedy:
         return None
     tokens: dict[int, int] = {}
@@ -138,8 +141,11 @@ def _prediction(plan: StepPlan, outcome: StepOutcome) -> dict[int, int] | None:
         }
     for work, prefilled in zip(plan.prefills, outcome.prefills, strict=True):
         if work.final and prefilled.greedy is not None and prefilled.error is None:
-            first = int(prefilled.greedy[-1])
-            tokens.update(dict.fromkeys((work.slot, *work.forks), first))
+            slots = (work.slot, *work.forks)
+            if work.draws:  # a pick per choice
+                tokens.update(zip(slots, prefilled.greedy.tolist(), strict=True))
+            else:
+                tokens.update(dict.fromkeys(slots, int(prefilled.greedy[-1])))
     return tokens or None
 
 

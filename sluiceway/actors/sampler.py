@@ -29,7 +29,7 @@ import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
 from sluiceway.actors.logprobs import reduce_step
-from sluiceway.actors.sampling import Sampler
+from sluiceway.actors.sampling import Draw, Sampler
 from sluiceway.engines.grammar import Bitmask, GrammarEngine
 from sluiceway.protocol.messages import ConstraintReport, LogitsStep, Row, SampledStep
 
@@ -133,6 +133,25 @@ class StepSampler:
     def hold(self, keys: frozenset[tuple[str, int]]) -> None:
         """Keep the state of these choices while they are out of the batch."""
         self.sampler.held = keys
+
+    async def draws(self, live: Sequence[Row], drawn: Sequence[Row]) -> list[Draw]:
+        """How the engine is to pick each of ``drawn`` (unadjusted rows of a
+        step whose tokens it picks; ``live``: all the step decodes): each
+        sampled row's draw for this step, and the logprobs to reduce where
+        this sampler would have had them reduced."""
+        await self.settle()
+        uniforms = self.sampler.uniforms(live, drawn)
+        scored = self._reduce and self.config.forward_logits
+        processed = self.config.processed_logprobs
+        return [
+            Draw.of(
+                row.sampling,
+                uniform,
+                row.logprobs if scored and row.logprobs.per_token else None,
+                processed,
+            )
+            for row, uniform in zip(drawn, uniforms, strict=True)
+        ]
 
     async def settle(self) -> None:
         """Wait for masks being computed in a worker thread, if they are."""

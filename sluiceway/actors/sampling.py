@@ -18,13 +18,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from sluiceway.actors.guide import GuideState, RowGuide
+from sluiceway.actors.logprobs import reduce_rows
 from sluiceway.engines.grammar import Bitmask, GrammarEngine, GrammarError, without
-from sluiceway.protocol.messages import ConstraintReport, Row, SamplingParams
+from sluiceway.protocol.messages import (
+    ConstraintReport,
+    LogprobParams,
+    Row,
+    SamplingParams,
+    TokenLogprob,
+)
 
 FloatArray = npt.NDArray[np.float32]
 
@@ -46,6 +54,74 @@ class RowState:
 def row_generator(params: SamplingParams, choice: int) -> np.random.Generator:
     entropy = [params.seed, choice] if params.seed is not None else None
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
+
+
+class Filters(Protocol):
+    """What :func:`draw` reads of a row's parameters."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def min_p(self) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """How the engine picks an unadjusted row's token itself (``Row.unadjusted``):
+    its filters, its one draw from its generator for this step (the generator
+    stays with the :class:`Sampler`), and the logprobs to reduce, if any
+    (``top``, ``token_ids``), from the raw or (``processed``) the sampled
+    distribution.
+
+    Plain values, not the request's ``SamplingParams``: a plan carries one
+    per drawn row and step across the engine's pipe, and these pickle as a
+    tuple (:meth:`__reduce__`), several times faster than nested dataclasses.
+    """
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    uniform: float
+    top: int | None = None
+    token_ids: tuple[int, ...] = ()
+    processed: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        sampling: SamplingParams,
+        uniform: float,
+        logprobs: LogprobParams | None = None,
+        processed: bool = False,
+    ) -> Draw:
+        top, ids = (logprobs.top, logprobs.token_ids) if logprobs is not None else (None, ())
+        s = sampling
+        return cls(s.temperature, s.top_p, s.top_k, s.min_p, uniform, top, ids, processed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def logprobs(self) -> LogprobParams | None:
+        """The logprobs to reduce, or None."""
+        if self.top is None and not self.token_ids:
+            return None
+        return LogprobParams(top=self.top, token_ids=self.token_ids)
+
+    def __reduce__(self) -> tuple[type[Draw], tuple[object, ...]]:
+        return (
+            Draw,
+            (
+                *(self.temperature, self.top_p, self.top_k, self.min_p, self.uniform),
+                *(self.top, self.token_ids, self.processed),
+            ),
+        )
 
 
 @dataclass(slots=True)
@@ -99,11 +175,21 @@ class Sampler:
             if row.sampling.greedy:
                 token_ids[i] = int(x.argmax())
             else:
-                token_ids[i] = _draw(x, row.sampling, state.rng, keep=keep_processed)
+                token_ids[i] = draw(x, row.sampling, state.rng.random(), keep=keep_processed)
         self._record(states, token_ids)
         return SampleResult(
             token_ids, processed if keep_processed else None, _advance_guides(states, token_ids)
         )
+
+    def uniforms(self, live: Sequence[Row], drawn: Sequence[Row]) -> list[float]:
+        """This step's draw of each of ``drawn`` (rows of ``live``, every row
+        the step decodes) from its generator: 0.0 for a greedy row, which
+        draws nothing. Exactly one number per sampled row and step, as
+        :meth:`sample` takes, so a seeded choice gives the same tokens
+        whether the engine or this sampler picks them."""
+        self._sync_states(live)
+        states = self._states
+        return [0.0 if r.sampling.greedy else states[r.key].rng.random() for r in drawn]
 
     def take(self, rows: Sequence[Row], token_ids: Sequence[int]) -> ConstraintReport | None:
         """Take the tokens the engine picked in a greedy step (each guided
@@ -255,9 +341,14 @@ def _adjust(x: FloatArray, params: SamplingParams, state: RowState) -> None:
         x[seen] -= params.frequency_penalty * times + params.presence_penalty
 
 
-def _draw(x: FloatArray, params: SamplingParams, rng: np.random.Generator, *, keep: bool) -> int:
-    """Sample one id from one row of adjusted logits (modified in place; with
-    ``keep``, left as the log-distribution sampled from)."""
+def draw(x: FloatArray, params: Filters, uniform: float, *, keep: bool) -> int:
+    """Sample one id from one row of adjusted logits by inverting its
+    cumulative distribution at ``uniform`` (the row's one draw from its
+    generator for this step, in [0, 1)). ``x`` is modified in place; with
+    ``keep``, left as the log-distribution sampled from.
+
+    The draw comes in as a number so that the engine can sample a row where
+    its logits are (:func:`draw_rows`) while the generator stays here."""
     x /= np.float32(params.temperature)
     vocab = x.shape[0]
     if 0 < params.top_k < vocab:
@@ -274,7 +365,7 @@ def _draw(x: FloatArray, params: SamplingParams, rng: np.random.Generator, *, ke
         with np.errstate(divide="ignore"):
             x[:] = np.log(probs / total)
     cumulative = np.cumsum(probs, dtype=np.float64)
-    index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    index = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
     return min(index, vocab - 1) if probs[min(index, vocab - 1)] > 0 else int(probs.argmax())
 
 
@@ -292,3 +383,36 @@ def _nucleus(probs: FloatArray, top_p: float) -> None:
     mask = np.zeros(probs.shape[0], dtype=bool)
     mask[order[:keep]] = True
     probs[~mask] = 0.0
+
+
+def draw_rows(
+    logits: FloatArray, picks: npt.NDArray[np.int64], draws: Sequence[tuple[int, Draw]]
+) -> list[TokenLogprob | None] | None:
+    """Pick the drawn rows of a step where its logits are: ``draws`` are
+    (row index, draw) pairs; ``picks`` (every row's argmax) is overwritten at
+    the sampled rows. Returns each row's logprobs (None where a row asked for
+    none), or None when no row asked. The same arithmetic as
+    :meth:`Sampler.sample` and ``reduce_rows``, so the tokens and logprobs
+    are the ones the sampler would have made."""
+    sources: list[FloatArray] = []
+    scored: list[int] = []
+    params: list[LogprobParams] = []
+    for index, spec in draws:
+        row = logits[index]
+        asked = spec.logprobs
+        if not spec.greedy:
+            x = np.array(row, dtype=np.float32, copy=True)
+            keep = spec.processed and asked is not None
+            picks[index] = draw(x, spec, spec.uniform, keep=keep)
+            row = x if keep else row
+        if asked is not None:
+            sources.append(row)
+            scored.append(index)
+            params.append(asked)
+    if not scored:
+        return None
+    reduced = reduce_rows(np.stack(sources), [int(picks[i]) for i in scored], params)
+    result: list[TokenLogprob | None] = [None] * len(picks)
+    for index, logprob in zip(scored, reduced, strict=True):
+        result[index] = logprob
+    return result

@@ -19,7 +19,13 @@ slot in the step of its first chunk) and prefills only the rest; each chunk
 it prefills, and each row that finishes, is kept in the cache for later
 requests.
 
-The logits of rows whose prompt just completed and of the decoded rows go to
+Most steps never need the sampler's actor: when every decoded row is a
+plain argmax, under a mask the plan carries, or unadjusted (``Row.unadjusted``:
+sampled, or with logprobs, but with no grammar, bias, penalty or suppressed
+id) and every starting prompt takes its argmax, the engine thread picks the
+tokens itself, the drawn rows by the random number the plan carries for each
+(``StepPlan.draws``), and decodes the next step ahead of the plan. Otherwise
+the logits of rows whose prompt just completed and of the decoded rows go to
 the sampler as one step; the sampled ids come back (through the logprob
 reducer when it is wired) and are fanned out to each request's output
 channel. A small step (``sampler.INLINE_LOGITS``) is sampled and reduced
@@ -53,7 +59,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import anyio
@@ -72,6 +78,7 @@ from sluiceway.actors.engine_work import (
 )
 from sluiceway.actors.prefix_cache import Hold, PrefixCacheStats, PrefixIndex
 from sluiceway.actors.run_ahead import SteppingThread
+from sluiceway.actors.sampling import Draw
 from sluiceway.engines.base import Engine, EngineInfo, KeepKV
 from sluiceway.engines.grammar import Bitmask, every_token
 from sluiceway.protocol.errors import Overloaded, ServiceUnavailable
@@ -128,6 +135,11 @@ class Guides(Protocol):
     def hold(self, keys: frozenset[tuple[str, int]]) -> None:
         """Keep the sampling state of these choices (paused) although they
         are missing from the steps."""
+        ...
+
+    async def draws(self, live: Sequence[Row], drawn: Sequence[Row]) -> list[Draw]:
+        """How the engine picks each of ``drawn`` this step (``live``: every
+        row the step decodes); each sampled row takes its draw for the step."""
         ...
 
 
@@ -508,7 +520,32 @@ class Scheduler:
         return reserved == 0 or reserved + self._waiting[0].spec.n <= self._config.max_num_seqs
 
     async def _next_plan(self) -> StepPlan | None:
-        return self._plan(await self._greedy_masks())
+        planned = self._plan(await self._greedy_masks())
+        if planned is None:
+            return None
+        plan, drawn = planned
+        if not plan.greedy or self._guides is None:
+            return plan
+        starting = {
+            work.request_id: _first_rows(self._requests[work.request_id].spec)
+            for work in plan.prefills
+            if work.final and not _starts_plain(self._requests[work.request_id].spec)
+        }
+        if not (drawn or starting):
+            return plan
+        # Only now, for a step the engine picks the tokens of: a row takes
+        # one draw per step, and a sampled step draws in the sampler.
+        first = [row for rows in starting.values() for row in rows]
+        live = [self._row(c) for c in self._rows.values() if c.generated > 0] + first
+        draws = iter(await self._guides.draws(live, [self._row(c) for c in drawn] + first))
+        by_slot = {choice.slot: next(draws) for choice in drawn}
+        prefills = tuple(
+            replace(work, draws=tuple(next(draws) for _ in starting[work.request_id]))
+            if work.final and work.request_id in starting
+            else work
+            for work in plan.prefills
+        )
+        return replace(plan, draws=by_slot, prefills=prefills)
 
     async def _greedy_masks(self) -> dict[int, Bitmask]:
         """The masks that let the next step be greedy with masked rows in it
@@ -527,7 +564,7 @@ class Scheduler:
             if choice.generated == 0:
                 continue
             row = self._row(choice)
-            if row.plain:
+            if row.plain or (row.unadjusted and self._guides is not None):
                 continue
             if row.constraint is None and _greedy_suppressing(row):
                 masks[choice.slot] = self._suppress_mask(row.suppress)
@@ -553,7 +590,9 @@ class Scheduler:
             self._suppress_masks[suppress] = mask
         return mask
 
-    def _plan(self, masks: Mapping[int, Bitmask]) -> StepPlan | None:
+    def _plan(self, masks: Mapping[int, Bitmask]) -> tuple[StepPlan, list[_Choice]] | None:
+        """The next step, and the decoded rows the engine is to draw the
+        tokens of (when it picks the step's tokens)."""
         self._pause_lagging()
         budget = self._config.prefill_chunk_tokens
         prefills = []
@@ -580,10 +619,12 @@ class Scheduler:
         if not (cache_ops or frees or prefills or decode):
             return None
         starting = [self._requests[w.request_id] for w in prefills if w.final]
-        greedy = all(c.slot in masks or self._row(c).plain for c in decoding) and all(
-            _starts_plain(r.spec) for r in starting
+        drawn = self._drawn(decoding, masks)
+        greedy = drawn is not None and all(
+            _starts_plain(r.spec) or (self._guides is not None and _starts_unadjusted(r.spec))
+            for r in starting
         )
-        return StepPlan(
+        plan = StepPlan(
             cache_ops=cache_ops,
             frees=frees,
             prefills=tuple(prefills),
@@ -591,6 +632,23 @@ class Scheduler:
             greedy=greedy,
             masks={c.slot: masks[c.slot] for c in decoding if c.slot in masks} if greedy else {},
         )
+        return plan, drawn if greedy and drawn else []
+
+    def _drawn(self, decoding: list[_Choice], masks: Mapping[int, Bitmask]) -> list[_Choice] | None:
+        """The rows the engine must draw when it picks the step's tokens
+        (the others take their argmax, masked or not); None when a row needs
+        the sampler."""
+        drawn = []
+        for choice in decoding:
+            if choice.slot in masks:
+                continue
+            row = self._row(choice)
+            if row.plain:
+                continue
+            if not (row.unadjusted and self._guides is not None):
+                return None
+            drawn.append(choice)
+        return drawn
 
     # --- pacing -------------------------------------------------------------
 
@@ -759,7 +817,12 @@ class Scheduler:
                 request.scores += result.scores
             if work.final and result.logits is not None:
                 for choice in self._start_choices(request):
-                    rows.add([choice], result.logits, result.greedy)
+                    picks, scores = result.greedy, None
+                    if work.draws and picks is not None:  # a pick per choice
+                        picks = picks[choice.index : choice.index + 1]
+                        if result.first_logprobs is not None:
+                            scores = [result.first_logprobs[choice.index]]
+                    rows.add([choice], result.logits, picks, scores)
         if outcome.decode_error is not None:
             for choice in [c for c in self._rows.values() if c.generated > 0]:
                 if choice.request.spec.request_id in self._requests:
@@ -767,12 +830,14 @@ class Scheduler:
         elif outcome.decode is not None:
             slots = outcome.decode.slots
             logits, greedy = outcome.decode.logits, outcome.decode_greedy
+            scores = outcome.decode_logprobs
             kept = [i for i, slot in enumerate(slots) if slot in self._rows]
             if len(kept) < len(slots):
                 # Rows that left while the step ran (cancelled, stopped): drop their results.
                 logits = logits[kept]
                 greedy = None if greedy is None else greedy[kept]
-            rows.add([self._rows[slots[i]] for i in kept], logits, greedy)
+                scores = None if scores is None else [scores[i] for i in kept]
+            rows.add([self._rows[slots[i]] for i in kept], logits, greedy, scores)
         return rows
 
     def _settle_cache(self, prefix: PrefixIndex, plan: StepPlan, outcome: StepOutcome) -> None:
@@ -851,7 +916,7 @@ class Scheduler:
             report = await self._guides.take([self._row(c) for c in batch.choices], tokens)
         if report is not None:
             self._fail_constrained(batch.choices, report)
-        return self._decide(batch.choices, tokens, None, report)
+        return self._decide(batch.choices, tokens, batch.scores, report)
 
     def _fail_constrained(self, choices: list[_Choice], report: ConstraintReport) -> None:
         """End the requests whose grammar failed; ``_decide`` drops their rows' tokens."""
@@ -1014,11 +1079,23 @@ class _Batch:
 
     choices: list[_Choice] = field(default_factory=list)
     blocks: list[np.ndarray] = field(default_factory=list)
-    #: The engine's argmax per row, when the whole step was greedy.
+    #: The engine's pick per row, when it picked the whole step's tokens.
     greedy_blocks: list[np.ndarray] | None = field(default_factory=list)
+    #: The logprobs of the rows the engine drew, where one asked (else None).
+    scores: list[TokenLogprob | None] | None = None
 
-    def add(self, choices: list[_Choice], block: np.ndarray, greedy: np.ndarray | None) -> None:
+    def add(
+        self,
+        choices: list[_Choice],
+        block: np.ndarray,
+        greedy: np.ndarray | None,
+        scores: list[TokenLogprob | None] | None,
+    ) -> None:
         assert len(choices) == block.shape[0]
+        if scores is not None or self.scores is not None:
+            none: list[TokenLogprob | None] = [None]
+            before = self.scores if self.scores is not None else none * len(self.choices)
+            self.scores = before + (scores if scores is not None else none * len(choices))
         self.choices += choices
         self.blocks.append(block)
         if greedy is None or self.greedy_blocks is None:
@@ -1086,6 +1163,34 @@ def _greedy_suppressing(row: Row) -> bool:
     """A free greedy row held back from EOS and stop tokens (``min_tokens``):
     an argmax among every other id, as the sampler would pick."""
     return bool(row.suppress) and _masked_argmax(row)
+
+
+def _starts_unadjusted(spec: GenerationRequest) -> bool:
+    """Whether a request's first tokens can be drawn by the engine (its
+    first rows are ``Row.unadjusted``)."""
+    sampling = spec.sampling
+    return (
+        spec.constraint is None
+        and not sampling.logit_bias
+        and not sampling.penalised
+        and spec.limits.min_tokens == 0
+    )
+
+
+def _first_rows(spec: GenerationRequest) -> list[Row]:
+    """The rows of a request's choices for their first token, as ``_row`` makes them."""
+    return [
+        Row(
+            request_id=spec.request_id,
+            choice=index,
+            sampling=spec.sampling,
+            logprobs=spec.logprobs,
+            prompt_ids=spec.prompt_ids,
+            first=True,
+            constraint=spec.constraint,
+        )
+        for index in range(spec.n)
+    ]
 
 
 def _starts_plain(spec: GenerationRequest) -> bool:

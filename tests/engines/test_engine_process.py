@@ -11,10 +11,12 @@ import pytest
 
 from sluiceway.actors.engine_process import EngineProcessError, EngineSpec, ProcessEngine
 from sluiceway.actors.engine_work import PrefillWork, StepPlan, execute
+from sluiceway.actors.sampling import Draw
 from sluiceway.actors.thread_tuner import ThreadedEngine
 from sluiceway.engines.base import DropKV, KeepKV, SplitKV
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.select import make_engine, process_environment
+from sluiceway.protocol.messages import LogprobParams, SamplingParams
 from tests.engines.conftest import ENGINES
 from tests.engines.helpers import greedy_alone
 from tests.engines.test_parity import PROMPTS
@@ -80,6 +82,58 @@ async def test_steps_over_the_pipe_match_steps_on_a_thread(
                 assert got.decode.logits.shape == (1, 0)
             plan = StepPlan(decode={3: token}, greedy=True)
         await in_child.start_step(StepPlan(frees=(3,))).result()
+    finally:
+        local.close()
+
+
+@pytest.mark.anyio
+async def test_drawn_steps_over_the_pipe_match_steps_on_a_thread(
+    in_child: ProcessEngine, tiny_model: ModelSource
+) -> None:
+    """Sampled rows the child draws, a prompt's two choices among them, with
+    logprobs: the same picks and logprobs as ``execute`` in process, and
+    only those cross the pipe."""
+    local = make_engine(in_child.info.name, tiny_model, device="auto", dtype="auto")
+    hot = SamplingParams(temperature=1.5)
+    scored = LogprobParams(top=3)
+    try:
+        draws = (Draw.of(hot, 0.1, scored), Draw.of(hot, 0.9))
+        prompt = PrefillWork(
+            request_id="a",
+            slot=3,
+            tokens=tuple(PROMPTS["medium"]),
+            final=True,
+            forks=(4,),
+            draws=draws,
+        )
+        plan = StepPlan(prefills=(prompt,), greedy=True)
+        got = await in_child.start_step(plan).result()
+        expected = execute(local, plan)
+        first, wanted = got.prefills[0], expected.prefills[0]
+        assert first.greedy is not None
+        assert wanted.greedy is not None
+        assert first.greedy.tolist() == wanted.greedy.tolist()
+        assert first.first_logprobs == wanted.first_logprobs
+        assert first.first_logprobs is not None
+        assert first.first_logprobs[1] is None
+        tokens = dict(zip((3, 4), first.greedy.tolist(), strict=True))
+        for step in range(STEPS):
+            uniform = (step + 0.5) / STEPS
+            plan = StepPlan(
+                decode=tokens,
+                greedy=True,
+                draws={3: Draw.of(hot, uniform, scored), 4: Draw.of(hot, 1 - uniform)},
+            )
+            got = await in_child.start_step(plan).result()
+            expected = execute(local, plan)
+            assert got.decode is not None
+            assert got.decode_greedy is not None
+            assert expected.decode_greedy is not None
+            assert got.decode_greedy.tolist() == expected.decode_greedy.tolist()
+            assert got.decode_logprobs == expected.decode_logprobs
+            assert got.decode.logits.shape == (2, 0)  # the logits stay in the child
+            tokens = dict(zip(got.decode.slots, got.decode_greedy.tolist(), strict=True))
+        await in_child.start_step(StepPlan(frees=(3, 4))).result()
     finally:
         local.close()
 

@@ -21,8 +21,10 @@ from hypothesis import strategies as st
 
 from sluiceway.actors.engine_work import PrefillWork, StepOutcome, StepPlan, execute
 from sluiceway.actors.run_ahead import RunAhead
+from sluiceway.actors.sampling import Draw
 from sluiceway.engines.base import DecodeResult, EngineInfo, Logits
 from sluiceway.engines.grammar import allowed_ids, pack
+from sluiceway.protocol.messages import SamplingParams
 
 VOCAB = 12
 
@@ -257,6 +259,31 @@ def test_a_prefilled_row_and_its_forks_join_the_decode_taken_ahead() -> None:
     runner.execute(StepPlan(decode={0: 3, 1: 4}))
     assert (runner.served, runner.taken_back) == (1, 1)
     assert engine.histories == {0: [1, 2, first, 3], 1: [1, 2, first, 4]}
+
+
+def test_drawn_rows_and_drawn_forks_are_decoded_ahead_with_their_picks() -> None:
+    """Sampled rows the engine draws run ahead as greedy ones do; the forks
+    of a drawn prompt each join with their own first token."""
+    engine = HistoryEngine()
+    runner = RunAhead(engine)
+    draws = tuple(Draw.of(SamplingParams(temperature=1.0), u) for u in (0.05, 0.95))
+    prompt = PrefillWork(
+        request_id="r0", slot=0, tokens=(1, 2), final=True, forks=(1,), draws=draws
+    )
+    plan = StepPlan(prefills=(prompt,), greedy=True)
+    outcome = runner.execute(plan)
+    runner.run_ahead(plan, outcome)
+    assert outcome.prefills[0].greedy is not None
+    firsts = outcome.prefills[0].greedy.tolist()
+    assert firsts[0] != firsts[1]  # the two ends of one distribution
+    plan = StepPlan(decode={0: firsts[0], 1: firsts[1]}, greedy=True, draws={1: draws[1]})
+    for _ in range(3):
+        outcome = runner.execute(plan)
+        runner.run_ahead(plan, outcome)
+        assert outcome.decode_greedy is not None
+        picks = outcome.decode_greedy.tolist()
+        plan = StepPlan(decode={0: picks[0], 1: picks[1]}, greedy=True, draws={1: draws[1]})
+    assert (runner.served, runner.taken_back) == (3, 0)
 
 
 def test_a_failed_prefill_does_not_join() -> None:

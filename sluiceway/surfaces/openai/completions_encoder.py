@@ -236,32 +236,45 @@ class CompletionFragments:
         return self._with_ids(fragment, delta.token_ids)
 
 
+#: ``LogprobsJson``'s keys by (as ids, token id), with the token they were
+#: made from: the text, and the text as a JSON string.
+_KEYS: dict[tuple[bool, int], tuple[str, tuple[str, bytes]]] = {}
+#: Beyond this many, the memo starts again (a few vocabularies' worth).
+_KEYS_BOUND = 1 << 19
+
+
 class LogprobsJson:
     """A streamed fragment's ``logprobs`` as JSON text: what
     ``CompletionLogprobsWire.to_json()`` gives for it.
 
     As for chat (``EntryJson``), building and dumping the models cost more
     than the rest of a token's frame. A token's key in ``top_logprobs`` (its
-    text, or ``token_id:N``) is made once per id and stream; only the numbers
-    are written per entry. ``top_logprobs`` is a JSON object keyed by text, so
+    text, or ``token_id:N``) is made once per id for every stream (``_KEYS``:
+    a stream of 128 tokens with top-5 met half its keys for the first time
+    when each stream kept its own); only the numbers are written per entry. ``top_logprobs`` is a JSON object keyed by text, so
     two alternatives that read alike share one key, holding the later one's
     logprob where the first one stood, as the model's dict does.
     """
 
-    __slots__ = ("_as_ids", "_keys", "_top")
+    __slots__ = ("_as_ids", "_top")
 
     def __init__(self, top: int, as_ids: bool) -> None:
         self._top = top
         self._as_ids = as_ids
-        #: By id: the token's text and that text as a JSON string.
-        self._keys: dict[int, tuple[str, bytes]] = {}
 
     def _key(self, token: str, token_id: int) -> tuple[str, bytes]:
-        found = self._keys.get(token_id)
-        if found is None:
-            text = token_text(token, token_id, self._as_ids)
-            found = self._keys[token_id] = (text, json_string(text))
-        return found
+        key = (self._as_ids, token_id)
+        found = _KEYS.get(key)
+        # The same id may stand for other text in another vocabulary (an
+        # identity check when the token came from ``TokenTable.entry_parts``).
+        if found is not None and found[0] == token:
+            return found[1]
+        text = token_text(token, token_id, self._as_ids)
+        made = (text, json_string(text))
+        if len(_KEYS) >= _KEYS_BOUND:
+            _KEYS.clear()
+        _KEYS[key] = (token, made)
+        return made
 
     def _alternatives(self, entry: LogprobEntry) -> bytes:
         found: dict[str, tuple[bytes, float]] = {}

@@ -8,7 +8,6 @@ another task and channel hop.
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Iterable
 
@@ -153,8 +152,11 @@ def number_json(value: float) -> bytes:
     # repr is the shortest text that reads back as the same double, as
     # pydantic's serialiser writes it (the exponent's spelling may differ);
     # like pydantic, a non-finite number is null (the reducer floors them).
-    value = float(value)
-    return repr(value).encode() if math.isfinite(value) else b"null"
+    if value.__class__ is not float:  # a NumPy scalar's repr names its type
+        value = float(value)
+    # x - x is 0.0 for a finite x and NaN otherwise: cheaper than a call to
+    # math.isfinite, at six numbers per token with top-5.
+    return repr(value).encode() if value - value == 0.0 else b"null"
 
 
 def entries_wire(entries: Iterable[LogprobEntry], as_ids: bool) -> list[TokenLogprobWire]:
