@@ -22,7 +22,7 @@ under way in a thread, and ``allowed`` and ``take`` wait for it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -134,9 +134,10 @@ class StepSampler:
         """Keep the state of these choices while they are out of the batch."""
         self.sampler.held = keys
 
-    async def draws(self, live: Sequence[Row], drawn: Sequence[Row]) -> list[Draw]:
+    async def draws(self, live: Collection[tuple[str, int]], drawn: Sequence[Row]) -> list[Draw]:
         """How the engine is to pick each of ``drawn`` (unadjusted rows of a
-        step whose tokens it picks; ``live``: all the step decodes): each
+        step whose tokens it picks; ``live``: the keys of all the step
+        decodes): each
         sampled row's draw for this step, and the logprobs to reduce where
         this sampler would have had them reduced."""
         await self.settle()

@@ -16,7 +16,7 @@ wins.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -181,15 +181,17 @@ class Sampler:
             token_ids, processed if keep_processed else None, _advance_guides(states, token_ids)
         )
 
-    def uniforms(self, live: Sequence[Row], drawn: Sequence[Row]) -> list[float]:
-        """This step's draw of each of ``drawn`` (rows of ``live``, every row
-        the step decodes) from its generator: 0.0 for a greedy row, which
+    def uniforms(self, live: Collection[tuple[str, int]], drawn: Sequence[Row]) -> list[float]:
+        """This step's draw of each of ``drawn`` from its generator (``live``:
+        the keys of every row the step decodes): 0.0 for a greedy row, which
         draws nothing. Exactly one number per sampled row and step, as
         :meth:`sample` takes, so a seeded choice gives the same tokens
         whether the engine or this sampler picks them."""
-        self._sync_states(live)
-        states = self._states
-        return [0.0 if r.sampling.greedy else states[r.key].rng.random() for r in drawn]
+        self._forget(live)
+        states = self._states_of(drawn)
+        return [
+            0.0 if r.sampling.greedy else s.rng.random() for r, s in zip(drawn, states, strict=True)
+        ]
 
     def take(self, rows: Sequence[Row], token_ids: Sequence[int]) -> ConstraintReport | None:
         """Take the tokens the engine picked in a greedy step (each guided
@@ -247,12 +249,17 @@ class Sampler:
         )
 
     def _sync_states(self, rows: Sequence[Row]) -> list[RowState]:
+        self._forget({row.key for row in rows})
+        return self._states_of(rows)
+
+    def _forget(self, live: Collection[tuple[str, int]]) -> None:
         # Every running row is in every step, so a row missing from this step
         # has finished and its state can go, unless it is only paused.
-        live = {row.key for row in rows}
         held = self.held
         for key in [key for key in self._states if key not in live and key not in held]:
             del self._states[key]
+
+    def _states_of(self, rows: Sequence[Row]) -> list[RowState]:
         states = []
         for row in rows:
             state = self._states.get(row.key)

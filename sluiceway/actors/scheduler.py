@@ -58,7 +58,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
@@ -137,9 +137,10 @@ class Guides(Protocol):
         are missing from the steps."""
         ...
 
-    async def draws(self, live: Sequence[Row], drawn: Sequence[Row]) -> list[Draw]:
-        """How the engine picks each of ``drawn`` this step (``live``: every
-        row the step decodes); each sampled row takes its draw for the step."""
+    async def draws(self, live: Collection[tuple[str, int]], drawn: Sequence[Row]) -> list[Draw]:
+        """How the engine picks each of ``drawn`` this step (``live``: the
+        keys of every row the step decodes); each sampled row takes its draw
+        for the step."""
         ...
 
 
@@ -184,6 +185,11 @@ class _Choice:
     tokens: list[int] | None = None
     #: The ids generated so far (to rebuild the KV cache after a pause).
     ids: list[int] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """As ``Row.key``: the sampler's key for this choice's state."""
+        return (self.request.spec.request_id, self.index)
 
 
 @dataclass(slots=True)
@@ -536,9 +542,10 @@ class Scheduler:
         # Only now, for a step the engine picks the tokens of: a row takes
         # one draw per step, and a sampled step draws in the sampler.
         first = [row for rows in starting.values() for row in rows]
-        live = [self._row(c) for c in self._rows.values() if c.generated > 0] + first
-        draws = iter(await self._guides.draws(live, [self._row(c) for c in drawn] + first))
-        by_slot = {choice.slot: next(draws) for choice in drawn}
+        live = {c.key for c in self._rows.values() if c.generated > 0}
+        live.update(row.key for row in first)
+        draws = iter(await self._guides.draws(live, [row for _, row in drawn] + first))
+        by_slot = {choice.slot: next(draws) for choice, _ in drawn}
         prefills = tuple(
             replace(work, draws=tuple(next(draws) for _ in starting[work.request_id]))
             if work.final and work.request_id in starting
@@ -590,7 +597,9 @@ class Scheduler:
             self._suppress_masks[suppress] = mask
         return mask
 
-    def _plan(self, masks: Mapping[int, Bitmask]) -> tuple[StepPlan, list[_Choice]] | None:
+    def _plan(
+        self, masks: Mapping[int, Bitmask]
+    ) -> tuple[StepPlan, list[tuple[_Choice, Row]]] | None:
         """The next step, and the decoded rows the engine is to draw the
         tokens of (when it picks the step's tokens)."""
         self._pause_lagging()
@@ -634,7 +643,9 @@ class Scheduler:
         )
         return plan, drawn if greedy and drawn else []
 
-    def _drawn(self, decoding: list[_Choice], masks: Mapping[int, Bitmask]) -> list[_Choice] | None:
+    def _drawn(
+        self, decoding: list[_Choice], masks: Mapping[int, Bitmask]
+    ) -> list[tuple[_Choice, Row]] | None:
         """The rows the engine must draw when it picks the step's tokens
         (the others take their argmax, masked or not); None when a row needs
         the sampler."""
@@ -647,7 +658,7 @@ class Scheduler:
                 continue
             if not (row.unadjusted and self._guides is not None):
                 return None
-            drawn.append(choice)
+            drawn.append((choice, row))
         return drawn
 
     # --- pacing -------------------------------------------------------------

@@ -74,7 +74,7 @@ def test_drawn_rows_get_the_samplers_tokens_and_logprobs(
         expected = reduce_rows(source, sampled.token_ids.tolist(), [r.logprobs for r in rows])
 
         drawn = [i for i, r in enumerate(rows) if not r.plain]
-        uniforms = lending.uniforms(rows, [rows[i] for i in drawn])
+        uniforms = lending.uniforms({r.key for r in rows}, [rows[i] for i in drawn])
         draws = [
             (
                 i,
@@ -208,7 +208,8 @@ def test_the_step_sampler_lends_draws_only_with_the_logprobs_it_would_reduce() -
     bare = StepSampler(SamplerConfig(forward_logits=False), reduce=False)
 
     async def both() -> tuple[list[Draw], list[Draw]]:
-        return await reducing.draws(rows, rows), await bare.draws(rows, rows)
+        keys = {row.key for row in rows}
+        return await reducing.draws(keys, rows), await bare.draws(keys, rows)
 
     with_logprobs, without = anyio.run(both)
     assert with_logprobs[0].logprobs == LogprobParams(top=2)
