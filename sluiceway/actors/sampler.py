@@ -137,9 +137,8 @@ class StepSampler:
     async def draws(self, live: Collection[tuple[str, int]], drawn: Sequence[Row]) -> list[Draw]:
         """How the engine is to pick each of ``drawn`` (unadjusted rows of a
         step whose tokens it picks; ``live``: the keys of all the step
-        decodes): each
-        sampled row's draw for this step, and the logprobs to reduce where
-        this sampler would have had them reduced."""
+        decodes): each sampled row's draw for this step, and the logprobs to
+        reduce where this sampler would have had them reduced."""
         await self.settle()
         uniforms = self.sampler.uniforms(live, drawn)
         scored = self._reduce and self.config.forward_logits

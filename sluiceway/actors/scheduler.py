@@ -105,6 +105,7 @@ from sluiceway.protocol.messages import (
     TokenLogprob,
     TokenSample,
     is_argmax,
+    is_unadjusted,
 )
 
 logger = logging.getLogger(__name__)
@@ -571,7 +572,7 @@ class Scheduler:
             if choice.generated == 0:
                 continue
             row = self._row(choice)
-            if row.plain or (row.unadjusted and self._guides is not None):
+            if row.plain or self._drawable(row):
                 continue
             if row.constraint is None and _greedy_suppressing(row):
                 masks[choice.slot] = self._suppress_mask(row.suppress)
@@ -656,7 +657,7 @@ class Scheduler:
             row = self._row(choice)
             if row.plain:
                 continue
-            if not (row.unadjusted and self._guides is not None):
+            if not self._drawable(row):
                 return None
             drawn.append((choice, row))
         return drawn
@@ -946,17 +947,13 @@ class Scheduler:
         first = choice.generated == 0
         row = choice.row
         if row is None or row.first != first or row.suppress != suppress:
-            row = choice.row = Row(
-                request_id=spec.request_id,
-                choice=choice.index,
-                sampling=spec.sampling,
-                logprobs=spec.logprobs,
-                prompt_ids=spec.prompt_ids,
-                first=first,
-                suppress=suppress,
-                constraint=spec.constraint,
-            )
+            row = choice.row = _spec_row(spec, choice.index, first=first, suppress=suppress)
         return row
+
+    def _drawable(self, row: Row) -> bool:
+        """Whether the engine can draw ``row``'s token (the sampler's core
+        lends it the row's random number)."""
+        return self._guides is not None and row.unadjusted
 
     def _decide(
         self,
@@ -1178,30 +1175,29 @@ def _greedy_suppressing(row: Row) -> bool:
 
 def _starts_unadjusted(spec: GenerationRequest) -> bool:
     """Whether a request's first tokens can be drawn by the engine (its
-    first rows are ``Row.unadjusted``)."""
-    sampling = spec.sampling
-    return (
-        spec.constraint is None
-        and not sampling.logit_bias
-        and not sampling.penalised
-        and spec.limits.min_tokens == 0
+    first rows are ``Row.unadjusted``: with ``min_tokens`` they suppress EOS)."""
+    return is_unadjusted(spec.sampling, spec.constraint) and spec.limits.min_tokens == 0
+
+
+def _spec_row(
+    spec: GenerationRequest, index: int, *, first: bool, suppress: tuple[int, ...] = ()
+) -> Row:
+    return Row(
+        request_id=spec.request_id,
+        choice=index,
+        sampling=spec.sampling,
+        logprobs=spec.logprobs,
+        prompt_ids=spec.prompt_ids,
+        first=first,
+        suppress=suppress,
+        constraint=spec.constraint,
     )
 
 
 def _first_rows(spec: GenerationRequest) -> list[Row]:
-    """The rows of a request's choices for their first token, as ``_row`` makes them."""
-    return [
-        Row(
-            request_id=spec.request_id,
-            choice=index,
-            sampling=spec.sampling,
-            logprobs=spec.logprobs,
-            prompt_ids=spec.prompt_ids,
-            first=True,
-            constraint=spec.constraint,
-        )
-        for index in range(spec.n)
-    ]
+    """The rows of a request's choices for their first token, as ``_row``
+    makes them (for a request that starts unadjusted, so none suppresses)."""
+    return [_spec_row(spec, index, first=True) for index in range(spec.n)]
 
 
 def _starts_plain(spec: GenerationRequest) -> bool:

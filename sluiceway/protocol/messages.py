@@ -181,13 +181,7 @@ class Row:
         """Its token depends on its logits alone (and, sampled, its one
         random draw): no grammar, bias, penalties or suppressed ids. Such a
         row can be picked where the logits are (``StepPlan.draws``)."""
-        sampling = self.sampling
-        return (
-            self.constraint is None
-            and not sampling.logit_bias
-            and not sampling.penalised
-            and not self.suppress
-        )
+        return is_unadjusted(self.sampling, self.constraint) and not self.suppress
 
 
 def is_argmax(
@@ -197,13 +191,13 @@ def is_argmax(
     logprobs to keep. A constrained row is never one: the engine's argmax
     would ignore what the grammar allows (a greedy one takes the argmax
     under a mask the plan carries: ``StepPlan.masks``)."""
-    return (
-        constraint is None
-        and sampling.greedy
-        and not sampling.logit_bias
-        and not sampling.penalised
-        and not logprobs.per_token
-    )
+    return is_unadjusted(sampling, constraint) and sampling.greedy and not logprobs.per_token
+
+
+def is_unadjusted(sampling: SamplingParams, constraint: Constraint | None) -> bool:
+    """No grammar, bias or penalties: nothing but the logits (and a sampled
+    row's random draw) decides the token, before any suppressed ids."""
+    return constraint is None and not sampling.logit_bias and not sampling.penalised
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

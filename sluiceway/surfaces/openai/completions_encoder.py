@@ -251,9 +251,10 @@ class LogprobsJson:
     than the rest of a token's frame. A token's key in ``top_logprobs`` (its
     text, or ``token_id:N``) is made once per id for every stream (``_KEYS``:
     a stream of 128 tokens with top-5 met half its keys for the first time
-    when each stream kept its own); only the numbers are written per entry. ``top_logprobs`` is a JSON object keyed by text, so
-    two alternatives that read alike share one key, holding the later one's
-    logprob where the first one stood, as the model's dict does.
+    when each stream kept its own); only the numbers are written per entry.
+    ``top_logprobs`` is a JSON object keyed by text, so two alternatives
+    that read alike share one key, holding the later one's logprob where the
+    first one stood, as the model's dict does.
     """
 
     __slots__ = ("_as_ids", "_top")
