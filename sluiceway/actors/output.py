@@ -42,7 +42,6 @@ from sluiceway.protocol.messages import (
     TokenLogprob,
     TokenSample,
     ToolCallDelta,
-    TopLogprob,
     Usage,
 )
 from sluiceway.protocol.tokens import TokenTable
@@ -94,24 +93,22 @@ class ChoiceCore(Protocol):
 
 class EntryFactory:
     """Turns id-level logprobs into entries with text, id and exact bytes
-    (looked up once per id and tokenizer: :meth:`TokenTable.entry_parts`)."""
+    (looked up once per id and tokenizer: :meth:`TokenTable.entry_parts`).
+    The alternatives stay ids: see :attr:`LogprobEntry.top`."""
 
     def __init__(self, table: TokenTable) -> None:
+        self._table = table
         self._token = table.entry_parts
 
     def entry(self, token_id: int, logprob: TokenLogprob) -> LogprobEntry:
-        parts = self._token
-        token, raw = parts(token_id)
-        tops = []
-        for t, v in logprob.top:
-            text, data = parts(t)
-            tops.append(TopLogprob(text, t, v, data))  # positional: built per alternative
+        token, raw = self._token(token_id)
         return LogprobEntry(
             token=token,
             token_id=token_id,
             logprob=logprob.logprob,
             bytes=raw,
-            top_logprobs=tuple(tops),
+            vocabulary=self._table,
+            top=logprob.top,
             requested=logprob.requested,
             rank=logprob.rank,
         )
