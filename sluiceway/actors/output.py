@@ -222,26 +222,31 @@ class ChoiceOutput:
         )
         if calls:
             self.called_tools = True
-        logprobs = None
-        if self.with_logprobs:
-            content = [
-                (self.waiting.pop(t), offset)
-                for t, offset in zip(chunk.content_tokens, chunk.content_offsets, strict=True)
-                if t in self.waiting
-            ]
-            logprobs = ChoiceLogprobs(
-                content=tuple(entry for entry, _ in content),
-                reasoning=self._entries(chunk.reasoning_tokens),
-                tool_calls=self._entries(chunk.tool_call_tokens),
-                content_offsets=tuple(offset for _, offset in content),
-            )
         return ChoiceDelta(
             index=self.index,
             content=chunk.content,
             reasoning=chunk.reasoning,
             tool_calls=calls,
-            logprobs=logprobs,
+            logprobs=self._logprobs(chunk) if self.with_logprobs else None,
             token_ids=token_ids,
+        )
+
+    def _logprobs(self, chunk: Chunk) -> ChoiceLogprobs:
+        """The entries of the tokens whose first characters the chunk carries
+        (a token already sent with an earlier chunk has none waiting)."""
+        waiting = self.waiting
+        entries: list[LogprobEntry] = []
+        offsets: list[int] = []
+        for token, offset in zip(chunk.content_tokens, chunk.content_offsets, strict=True):
+            entry = waiting.pop(token, None)
+            if entry is not None:
+                entries.append(entry)
+                offsets.append(offset)
+        return ChoiceLogprobs(
+            content=tuple(entries),
+            reasoning=self._entries(chunk.reasoning_tokens) if chunk.reasoning_tokens else (),
+            tool_calls=self._entries(chunk.tool_call_tokens) if chunk.tool_call_tokens else (),
+            content_offsets=tuple(offsets),
         )
 
     def _entries(self, tokens: tuple[int, ...]) -> tuple[LogprobEntry, ...]:
