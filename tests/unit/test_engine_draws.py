@@ -139,6 +139,21 @@ def test_unfiltered_rows_drawn_together_pick_what_each_alone_picks(
     assert np.array_equal(logits, before)  # the step's logits are not touched
 
 
+@pytest.mark.parametrize("vocab", [40, 20_000, sampling.GROUP_LOGITS])
+def test_draw_rows_groups_what_fits_and_draws_the_rest_alone(vocab: int) -> None:
+    """Unfiltered rows go in groups of at most ``GROUP_LOGITS`` logits (none
+    when two rows do not fit), filtered rows alone: each row's pick is
+    :func:`sampling.draw`'s."""
+    noise = np.random.default_rng(vocab)
+    logits = (noise.standard_normal((8, vocab)) * 4).astype(np.float32)
+    params = [SamplingParams(temperature=1.3)] * 7 + [SamplingParams(temperature=0.8, top_p=0.5)]
+    draws = [(i, Draw.of(p, float(noise.random()))) for i, p in enumerate(params)]
+    picks = logits.argmax(axis=-1)
+    assert draw_rows(logits, picks, draws) is None
+    alone = [sampling.draw(logits[i].copy(), d, d.uniform, keep=False) for i, d in draws]
+    assert picks.tolist() == alone
+
+
 def test_a_greedy_row_with_logprobs_is_drawn_without_a_draw() -> None:
     logits = np.array([[0.0, 2.0, 1.0]], dtype=np.float32)
     picks = logits.argmax(axis=-1)
