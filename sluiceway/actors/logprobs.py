@@ -154,20 +154,17 @@ def reduce_rows(
         return result
     rows = logits[asked] if len(asked) < len(params) else logits
     # In float64, as Python floats would subtract: the whole step's in two calls.
-    bases = log_normaliser(rows).astype(np.float64)[:, None]
+    bases = log_normaliser(rows).astype(np.float64)
     chosen = [int(token_ids[index]) for index in asked]
-    picked: list[float] = _floored(rows[np.arange(len(asked)), chosen][:, None] - bases)[
-        :, 0
-    ].tolist()
+    picked: list[float] = _floored(rows[np.arange(len(asked)), chosen] - bases).tolist()
     top_ids = top_k_rows(rows, max(params[index].top or 0 for index in asked))
     ranked: list[list[int]] = top_ids.tolist()
-    ranked_values: list[list[float]] = _floored(
-        np.take_along_axis(rows, top_ids, axis=1) - bases
-    ).tolist()
+    top_values = np.take_along_axis(rows, top_ids, axis=1) - bases[:, None]
+    ranked_values: list[list[float]] = _floored(top_values).tolist()
     for local, index in enumerate(asked):
         p = params[index]
         k = p.top or 0
-        base = float(bases[local, 0])
+        base = float(bases[local])
         result[index] = TokenLogprob(
             picked[local],
             tuple(zip(ranked[local][:k], ranked_values[local][:k], strict=True)),

@@ -414,7 +414,8 @@ def draw_unfiltered(logits: FloatArray, rows: Sequence[int], draws: Sequence[Dra
     were most of a step's picks at batch 16. A row whose total is not a
     positive finite number (NaN, or every logit -inf) is left to :func:`draw`.
     """
-    x = logits[list(rows)]  # a copy: the logits stay as they were
+    # A copy (the logits stay as they were), in float32 as ``draw`` computes.
+    x = logits[list(rows)].astype(np.float32, copy=False)
     x /= np.array([d.temperature for d in draws], dtype=np.float32)[:, None]
     with np.errstate(invalid="ignore"):  # a row all -inf is NaN here, and goes to ``draw``
         probs = np.exp(x - x.max(axis=1, keepdims=True))
