@@ -153,26 +153,33 @@ def reduce_rows(
     if not asked:
         return result
     rows = logits[asked] if len(asked) < len(params) else logits
-    # Lists, not NumPy scalars: the subtractions below are Python floats.
-    bases: list[float] = log_normaliser(rows).tolist()
+    # In float64, as Python floats would subtract: the whole step's in two calls.
+    bases = log_normaliser(rows).astype(np.float64)
     chosen = [int(token_ids[index]) for index in asked]
-    picked: list[float] = rows[np.arange(len(asked)), chosen].tolist()
+    picked: list[float] = _floored(rows[np.arange(len(asked)), chosen] - bases).tolist()
     top_ids = top_k_rows(rows, max(params[index].top or 0 for index in asked))
     ranked: list[list[int]] = top_ids.tolist()
-    ranked_values: list[list[float]] = np.take_along_axis(rows, top_ids, axis=1).tolist()
+    top_values = np.take_along_axis(rows, top_ids, axis=1) - bases[:, None]
+    ranked_values: list[list[float]] = _floored(top_values).tolist()
     for local, index in enumerate(asked):
-        p, base = params[index], bases[local]
+        p = params[index]
         k = p.top or 0
+        base = float(bases[local])
         result[index] = TokenLogprob(
-            logprob=_finite(picked[local] - base),
-            top=_entries(ranked[local][:k], ranked_values[local][:k], base),
-            requested=(
+            picked[local],
+            tuple(zip(ranked[local][:k], ranked_values[local][:k], strict=True)),
+            (
                 _entries(p.token_ids, rows[local, list(p.token_ids)].tolist(), base)
                 if p.token_ids
                 else ()
             ),
         )
     return result
+
+
+def _floored(values: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """:func:`_finite` of every value at once (NaN and -inf to the floor)."""
+    return np.where(values >= LOGPROB_FLOOR, values, LOGPROB_FLOOR)
 
 
 def _entries(

@@ -42,7 +42,6 @@ from sluiceway.protocol.messages import (
     TokenLogprob,
     TokenSample,
     ToolCallDelta,
-    TopLogprob,
     Usage,
 )
 from sluiceway.protocol.tokens import TokenTable
@@ -94,24 +93,22 @@ class ChoiceCore(Protocol):
 
 class EntryFactory:
     """Turns id-level logprobs into entries with text, id and exact bytes
-    (looked up once per id and tokenizer: :meth:`TokenTable.entry_parts`)."""
+    (looked up once per id and tokenizer: :meth:`TokenTable.entry_parts`).
+    The alternatives stay ids: see :attr:`LogprobEntry.top`."""
 
     def __init__(self, table: TokenTable) -> None:
+        self._table = table
         self._token = table.entry_parts
 
     def entry(self, token_id: int, logprob: TokenLogprob) -> LogprobEntry:
-        parts = self._token
-        token, raw = parts(token_id)
-        tops = []
-        for t, v in logprob.top:
-            text, data = parts(t)
-            tops.append(TopLogprob(text, t, v, data))  # positional: built per alternative
+        token, raw = self._token(token_id)
         return LogprobEntry(
             token=token,
             token_id=token_id,
             logprob=logprob.logprob,
             bytes=raw,
-            top_logprobs=tuple(tops),
+            vocabulary=self._table,
+            top=logprob.top,
             requested=logprob.requested,
             rank=logprob.rank,
         )
@@ -225,26 +222,31 @@ class ChoiceOutput:
         )
         if calls:
             self.called_tools = True
-        logprobs = None
-        if self.with_logprobs:
-            content = [
-                (self.waiting.pop(t), offset)
-                for t, offset in zip(chunk.content_tokens, chunk.content_offsets, strict=True)
-                if t in self.waiting
-            ]
-            logprobs = ChoiceLogprobs(
-                content=tuple(entry for entry, _ in content),
-                reasoning=self._entries(chunk.reasoning_tokens),
-                tool_calls=self._entries(chunk.tool_call_tokens),
-                content_offsets=tuple(offset for _, offset in content),
-            )
         return ChoiceDelta(
             index=self.index,
             content=chunk.content,
             reasoning=chunk.reasoning,
             tool_calls=calls,
-            logprobs=logprobs,
+            logprobs=self._logprobs(chunk) if self.with_logprobs else None,
             token_ids=token_ids,
+        )
+
+    def _logprobs(self, chunk: Chunk) -> ChoiceLogprobs:
+        """The entries of the tokens whose first characters the chunk carries
+        (a token already sent with an earlier chunk has none waiting)."""
+        waiting = self.waiting
+        entries: list[LogprobEntry] = []
+        offsets: list[int] = []
+        for token, offset in zip(chunk.content_tokens, chunk.content_offsets, strict=True):
+            entry = waiting.pop(token, None)
+            if entry is not None:
+                entries.append(entry)
+                offsets.append(offset)
+        return ChoiceLogprobs(
+            content=tuple(entries),
+            reasoning=self._entries(chunk.reasoning_tokens) if chunk.reasoning_tokens else (),
+            tool_calls=self._entries(chunk.tool_call_tokens) if chunk.tool_call_tokens else (),
+            content_offsets=tuple(offsets),
         )
 
     def _entries(self, tokens: tuple[int, ...]) -> tuple[LogprobEntry, ...]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from sluiceway.protocol.constraints import Constraint
+from sluiceway.protocol.tokens import TokenTable
 
 # Actor messages carry engine arrays (NumPy float32) without copying them.
 Array = Any
@@ -209,9 +210,15 @@ class LogitsStep:
     logits: Array
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TokenLogprob:
-    """The reduced logprobs of one sampled token (ids, not text)."""
+class TokenLogprob(NamedTuple):
+    """The reduced logprobs of one sampled token (ids, not text).
+
+    A named tuple, not a dataclass like the messages around it: with the
+    engine in its child process, a step's rows that ask for logprobs cross
+    the pipe as these, and a tuple is built in a quarter of a frozen
+    dataclass's time and pickled and read back in under half (16 rows with
+    top-5: 37 µs against 85).
+    """
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
@@ -324,10 +331,26 @@ class LogprobEntry:
     token_id: int
     logprob: float
     bytes: tuple[int, ...]
-    top_logprobs: tuple[TopLogprob, ...] = ()
+    #: What the ids of ``top`` stand for.
+    vocabulary: TokenTable = field(repr=False, compare=False)
+    #: The best alternatives as (id, logprob), best first. Ids rather than
+    #: :class:`TopLogprob`\ s: the JSON encoders look each id's text up in
+    #: their own memo (:meth:`TokenTable.memo`), so with top-5 a token would
+    #: build five objects that only the pydantic surfaces read.
+    top: tuple[tuple[int, float], ...] = ()
     requested: tuple[tuple[int, float], ...] = ()
     #: 1-based rank in the token's distribution, where known (prompt logprobs).
     rank: int | None = None
+
+    @property
+    def top_logprobs(self) -> tuple[TopLogprob, ...]:
+        """``top`` with each alternative's text and bytes."""
+        parts = self.vocabulary.entry_parts
+        tops = []
+        for token_id, logprob in self.top:
+            text, raw = parts(token_id)
+            tops.append(TopLogprob(text, token_id, logprob, raw))
+        return tuple(tops)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,10 @@ class TokenTable:
     #: :meth:`entry_parts` by id. Top-k alternatives repeat across requests
     #: far more than within one, so the memo lives as long as the tokenizer.
     _parts: dict[int, tuple[str, tuple[int, ...]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
+    #: :meth:`memo`'s dicts by name.
+    _memos: dict[str, dict[int, Any]] = field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False
     )
 
@@ -58,6 +63,20 @@ class TokenTable:
         if parts is None:
             parts = self._parts[token_id] = (self.display(token_id), tuple(self.bytes_of(token_id)))
         return parts
+
+    def memo(self, name: str) -> dict[int, Any]:
+        """A dict by token id that lives as long as this vocabulary, for what
+        an encoder makes once per id (a JSON piece of a logprob entry).
+
+        Keyed on the vocabulary, such a memo needs no check that an id still
+        stands for the text it was made from, and no bound beyond the
+        vocabulary's size. ``name`` keeps apart the encoders (and their
+        settings) that share a vocabulary.
+        """
+        found = self._memos.get(name)
+        if found is None:
+            found = self._memos[name] = {}
+        return found
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Whole-sequence decode with the incremental detokenizer's rules:

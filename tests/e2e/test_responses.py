@@ -329,6 +329,24 @@ def assert_first_characters_carry_entries(pieces: list[tuple[str, list[dict[str,
         text_at = end
 
 
+def same_entries(left: list[dict[str, Any]], right: list[dict[str, Any]]) -> bool:
+    """Logprob entries alike but for logprobs within 1e-4 (docs/architecture.md,
+    "Exactness"); the alternatives are compared by their bytes, in order."""
+
+    def shape(entries: list[dict[str, Any]]) -> list[Any]:
+        return [
+            (e["token"], e["bytes"], [(t["token"], t["bytes"]) for t in e["top_logprobs"]])
+            for e in entries
+        ]
+
+    def numbers(entries: list[dict[str, Any]]) -> list[float]:
+        return [
+            x for e in entries for x in (e["logprob"], *(t["logprob"] for t in e["top_logprobs"]))
+        ]
+
+    return shape(left) == shape(right) and numbers(left) == pytest.approx(numbers(right), abs=1e-4)
+
+
 @pytest.mark.parametrize(("script", "limit"), [("reasoning", None), ("bytes_stop", 7)])
 def test_logprobs_are_aligned_on_every_delta(
     scripted_server: RunningServer, scripted: ScriptedModel, script: str, limit: int | None
@@ -349,7 +367,10 @@ def test_logprobs_are_aligned_on_every_delta(
     [message] = [
         item for item in post(scripted_server, payload)["output"] if item["type"] == "message"
     ]
-    assert message["content"][0]["logprobs"] == carried
+    # Two requests: the second restores the first's prompt from the prefix
+    # cache, and the engine's thread count may change between them (the
+    # tuner times both), so the sums round apart in float32's last bits.
+    assert same_entries(message["content"][0]["logprobs"], carried)
     text = message["content"][0]["text"]
     if script == "bytes_stop":
         assert text == "Café costs 3€"

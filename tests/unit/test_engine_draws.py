@@ -96,6 +96,64 @@ def test_drawn_rows_get_the_samplers_tokens_and_logprobs(
             assert reduced is None
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    vocab=st.sampled_from([1, 2, 17, 40, 1921]),
+    temperatures=st.lists(st.sampled_from([0.3, 1.0, 1.7, 25.0]), min_size=1, max_size=18),
+    uniforms=st.data(),
+    masked=st.sampled_from([0.0, 0.5, 1.0]),
+    seed=st.integers(0, 1000),
+)
+def test_unfiltered_rows_drawn_together_pick_what_each_alone_picks(
+    vocab: int,
+    temperatures: list[float],
+    uniforms: st.DataObject,
+    masked: float,
+    seed: int,
+) -> None:
+    """``draw_unfiltered`` takes a step's temperature-only rows in one go:
+    the same id as :func:`sampling.draw` row by row, for any vocabulary width
+    (NumPy's vector loops and their tails), draws at the ends of [0, 1), and
+    rows that constraints or a model left at -inf (a whole row: ``masked``
+    1.0), where ``draw`` decides."""
+    noise = np.random.default_rng(seed)
+    logits = (noise.standard_normal((len(temperatures), vocab)) * 4).astype(np.float32)
+    logits[noise.random(logits.shape) < masked] = -np.inf
+    draws = [
+        Draw.of(
+            SamplingParams(temperature=t),
+            uniforms.draw(
+                st.sampled_from([0.0, 0.5, 1 - 2**-53]) | st.floats(0, 1, exclude_max=True)
+            ),
+        )
+        for t in temperatures
+    ]
+    rows = list(range(len(draws)))
+    before = logits.copy()
+    together = sampling.draw_unfiltered(logits, rows, draws)
+    with np.errstate(invalid="ignore"):  # ``draw`` on a row all -inf
+        alone = [
+            sampling.draw(logits[i].copy(), d, d.uniform, keep=False) for i, d in enumerate(draws)
+        ]
+    assert together == alone
+    assert np.array_equal(logits, before)  # the step's logits are not touched
+
+
+@pytest.mark.parametrize("vocab", [40, 20_000, sampling.GROUP_LOGITS])
+def test_draw_rows_groups_what_fits_and_draws_the_rest_alone(vocab: int) -> None:
+    """Unfiltered rows go in groups of at most ``GROUP_LOGITS`` logits (none
+    when two rows do not fit), filtered rows alone: each row's pick is
+    :func:`sampling.draw`'s."""
+    noise = np.random.default_rng(vocab)
+    logits = (noise.standard_normal((8, vocab)) * 4).astype(np.float32)
+    params = [SamplingParams(temperature=1.3)] * 7 + [SamplingParams(temperature=0.8, top_p=0.5)]
+    draws = [(i, Draw.of(p, float(noise.random()))) for i, p in enumerate(params)]
+    picks = logits.argmax(axis=-1)
+    assert draw_rows(logits, picks, draws) is None
+    alone = [sampling.draw(logits[i].copy(), d, d.uniform, keep=False) for i, d in draws]
+    assert picks.tolist() == alone
+
+
 def test_a_greedy_row_with_logprobs_is_drawn_without_a_draw() -> None:
     logits = np.array([[0.0, 2.0, 1.0]], dtype=np.float32)
     picks = logits.argmax(axis=-1)

@@ -20,9 +20,9 @@ from sluiceway.protocol.messages import (
     FinishCause,
     LogprobEntry,
     ToolCallDelta,
-    TopLogprob,
     Usage,
 )
+from sluiceway.protocol.tokens import TokenTable
 from sluiceway.surfaces.openai.chat_encoder import (
     ChatAccumulator,
     ChatReplyConfig,
@@ -36,6 +36,8 @@ from sluiceway.surfaces.openai.completions_encoder import (
 )
 
 FIELDS: tuple[ReasoningField, ...] = ("reasoning_content", "reasoning", "both")
+#: Id 1 is "x" and id 9 is "y".
+_XY = TokenTable((b"",) + (b"x",) + (b"",) * 7 + (b"y",), frozenset())
 
 
 def config(
@@ -87,33 +89,31 @@ def test_text_frames_match_the_models(
     assert json.loads(framed[6:]) == json.loads(slow.encode(Deltas(deltas=(delta,)))[6:])
 
 
-#: What a token id stands for (the same id is always the same token).
-_VOCAB = st.dictionaries(
-    st.integers(0, 50),
-    st.tuples(st.text(max_size=4), st.lists(st.integers(0, 255), max_size=4)),
+#: A vocabulary of up to 51 ids: raw bytes (fragments of characters
+#: included, which show as U+FFFD, so that ids that read alike are common)
+#: or text with the characters JSON must escape.
+_VOCAB = st.lists(
+    st.binary(max_size=4) | st.text('ab é€"\\\n\t\x00', max_size=3).map(str.encode),
     min_size=1,
-)
+    max_size=51,
+).map(lambda pieces: TokenTable(tuple(pieces), frozenset()))
 _LOGPROBS = st.floats(max_value=0.0, allow_nan=False) | st.sampled_from([-9999.0, -1e-7, -0.0])
 
 
 @st.composite
-def _entries(draw: st.DrawFn, vocab: dict[int, tuple[str, list[int]]]) -> tuple[LogprobEntry, ...]:
-    ids = st.sampled_from(sorted(vocab))
-
-    def top(token_id: int) -> TopLogprob:
-        token, raw = vocab[token_id]
-        return TopLogprob(token=token, token_id=token_id, logprob=draw(_LOGPROBS), bytes=tuple(raw))
-
+def _entries(draw: st.DrawFn, vocab: TokenTable) -> tuple[LogprobEntry, ...]:
+    ids = st.integers(0, len(vocab) - 1)
     entries = []
     for token_id in draw(st.lists(ids, max_size=3)):
-        token, raw = vocab[token_id]
+        token, raw = vocab.entry_parts(token_id)
         entries.append(
             LogprobEntry(
                 token=token,
                 token_id=token_id,
                 logprob=draw(_LOGPROBS),
-                bytes=tuple(raw),
-                top_logprobs=tuple(top(t) for t in draw(st.lists(ids, max_size=5))),
+                bytes=raw,
+                vocabulary=vocab,
+                top=tuple((t, draw(_LOGPROBS)) for t in draw(st.lists(ids, max_size=5))),
                 requested=tuple((t, draw(_LOGPROBS)) for t in draw(st.lists(ids, max_size=2))),
             )
         )
@@ -123,7 +123,7 @@ def _entries(draw: st.DrawFn, vocab: dict[int, tuple[str, list[int]]]) -> tuple[
 @settings(deadline=None)  # a busy host's first examples are slow
 @given(data=st.data(), vocab=_VOCAB, as_ids=st.booleans(), with_ids=st.booleans())
 def test_text_frames_with_logprobs_match_the_models(
-    data: st.DataObject, vocab: dict[int, tuple[str, list[int]]], as_ids: bool, with_ids: bool
+    data: st.DataObject, vocab: TokenTable, as_ids: bool, with_ids: bool
 ) -> None:
     """The template's logprobs, written from per-token pieces made once per
     id, parse to what the pydantic models give, frame after frame."""
@@ -182,7 +182,7 @@ def test_completion_text_frames_match_the_models(
     # Every delta before the last carries no logprobs; the last one does,
     # and its text_offset shows whether the fast path counted the text
     # already sent.
-    entry = LogprobEntry(token="x", token_id=1, logprob=-0.5, bytes=(120,), top_logprobs=())
+    entry = LogprobEntry(token="x", token_id=1, logprob=-0.5, bytes=(120,), vocabulary=_XY)
     scored = ChoiceLogprobs(content=(entry,), content_offsets=(0,))
     deltas = [
         ChoiceDelta(index=i, content=text, token_ids=(n,) if with_ids else ())
@@ -206,7 +206,7 @@ def test_completion_text_frames_match_the_models(
 )
 def test_completion_frames_with_logprobs_match_the_models(
     data: st.DataObject,
-    vocab: dict[int, tuple[str, list[int]]],
+    vocab: TokenTable,
     top: int,
     as_ids: bool,
     with_ids: bool,
@@ -310,8 +310,9 @@ def test_tool_call_ids_are_minted_by_the_encoder_once_per_call() -> None:
 
 def test_tokens_as_ids_is_the_surfaces_choice() -> None:
     """The output actor carries text and id; the encoder picks what shows."""
-    top = TopLogprob(token="y", token_id=9, logprob=-2.0, bytes=(121,))
-    entry = LogprobEntry(token="x", token_id=1, logprob=-0.5, bytes=(120,), top_logprobs=(top,))
+    entry = LogprobEntry(
+        token="x", token_id=1, logprob=-0.5, bytes=(120,), vocabulary=_XY, top=((9, -2.0),)
+    )
     delta = ChoiceDelta(index=0, content="x", logprobs=ChoiceLogprobs(content=(entry,)))
     for as_ids, shown in ((False, ("x", "y")), (True, ("token_id:1", "token_id:9"))):
         reply = ChatReplyConfig(

@@ -24,9 +24,9 @@ from sluiceway.protocol.messages import (
     FinishCause,
     LogprobEntry,
     ToolCallDelta,
-    TopLogprob,
     Usage,
 )
+from sluiceway.protocol.tokens import TokenTable
 from sluiceway.surfaces.responses.encoder import (
     ReplyConfig,
     ResponsesAccumulator,
@@ -71,9 +71,11 @@ def config(logprobs: bool = True) -> ReplyConfig:
 
 
 def entry(text: str) -> LogprobEntry:
-    data = tuple(text.encode())
-    top = TopLogprob(token=text, token_id=1, logprob=-0.5, bytes=data)
-    return LogprobEntry(token=text, token_id=1, logprob=-0.25, bytes=data, top_logprobs=(top,))
+    vocabulary = TokenTable((b"", text.encode()), frozenset())
+    token, data = vocabulary.entry_parts(1)
+    return LogprobEntry(
+        token=token, token_id=1, logprob=-0.25, bytes=data, vocabulary=vocabulary, top=((1, -0.5),)
+    )
 
 
 # A piece of a document: reasoning or content text, a call's name, or arguments.

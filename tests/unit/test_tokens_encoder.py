@@ -20,9 +20,9 @@ from sluiceway.protocol.messages import (
     FinishCause,
     LogprobEntry,
     PromptLogprobs,
-    TopLogprob,
     Usage,
 )
+from sluiceway.protocol.tokens import TokenTable
 from sluiceway.surfaces.tokens.encoder import (
     GenerateAccumulator,
     GenerateReplyConfig,
@@ -35,15 +35,19 @@ def config(**fields: Any) -> GenerateReplyConfig:
     return GenerateReplyConfig(**{"logprobs": False, **defaults, **fields})
 
 
+#: Id 4 is "y", every other id "x".
+VOCABULARY = TokenTable((b"x",) * 4 + (b"y",) + (b"x",) * 5, frozenset())
+
+
 def entry(token_id: int, top: tuple[int, ...] = (), rank: int | None = None) -> LogprobEntry:
+    token, raw = VOCABULARY.entry_parts(token_id)
     return LogprobEntry(
-        token="x",
+        token=token,
         token_id=token_id,
         logprob=-float(token_id),
-        bytes=(120,),
-        top_logprobs=tuple(
-            TopLogprob(token="y", token_id=t, logprob=-0.5 * t, bytes=(121,)) for t in top
-        ),
+        bytes=raw,
+        vocabulary=VOCABULARY,
+        top=tuple((t, -0.5 * t) for t in top),
         rank=rank,
     )
 

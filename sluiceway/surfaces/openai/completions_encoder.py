@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pydantic_core import to_json
+
 from sluiceway.protocol.messages import (
     ChoiceDelta,
     Completed,
@@ -20,6 +22,7 @@ from sluiceway.protocol.messages import (
     PromptLogprobs,
     Usage,
 )
+from sluiceway.protocol.tokens import TokenTable
 from sluiceway.surfaces.openai.completions_wire import (
     Completion,
     CompletionChoiceWire,
@@ -30,7 +33,6 @@ from sluiceway.surfaces.openai.encoding import (
     KEEPALIVE,
     finish_reason,
     ids_json,
-    number_json,
     prompt_entries_wire,
     token_text,
     usage_wire,
@@ -236,72 +238,55 @@ class CompletionFragments:
         return self._with_ids(fragment, delta.token_ids)
 
 
-#: ``LogprobsJson``'s keys by (as ids, token id), with the token they were
-#: made from: the text, and the text as a JSON string.
-_KEYS: dict[tuple[bool, int], tuple[str, tuple[str, bytes]]] = {}
-#: Beyond this many, the memo starts again (a few vocabularies' worth).
-_KEYS_BOUND = 1 << 19
-
-
 class LogprobsJson:
     """A streamed fragment's ``logprobs`` as JSON text: what
     ``CompletionLogprobsWire.to_json()`` gives for it.
 
     As for chat (``EntryJson``), building and dumping the models cost more
-    than the rest of a token's frame. A token's key in ``top_logprobs`` (its
-    text, or ``token_id:N``) is made once per id for every stream (``_KEYS``:
-    a stream of 128 tokens with top-5 met half its keys for the first time
-    when each stream kept its own); only the numbers are written per entry.
-    ``top_logprobs`` is a JSON object keyed by text, so two alternatives
-    that read alike share one key, holding the later one's logprob where the
-    first one stood, as the model's dict does.
+    than the rest of a token's frame: here the fragment is plain dicts and
+    lists, dumped by pydantic's own serialiser in one call. A token's key in
+    ``top_logprobs`` (its text, or ``token_id:N``) is made once per id and
+    vocabulary for every stream (:meth:`TokenTable.memo`). ``top_logprobs``
+    is a JSON object keyed by text, so two alternatives that read alike share
+    one key, holding the later one's logprob where the first one stood: a
+    dict does that, as the model's does.
     """
 
-    __slots__ = ("_as_ids", "_top")
+    __slots__ = ("_as_ids", "_keys", "_name", "_top", "_vocabulary")
 
     def __init__(self, top: int, as_ids: bool) -> None:
         self._top = top
         self._as_ids = as_ids
+        self._name = f"openai.LogprobsJson:{as_ids}"
+        self._vocabulary: TokenTable | None = None
+        self._keys: dict[int, str] = {}
 
-    def _key(self, token: str, token_id: int) -> tuple[str, bytes]:
-        key = (self._as_ids, token_id)
-        found = _KEYS.get(key)
-        # The same id may stand for other text in another vocabulary (an
-        # identity check when the token came from ``TokenTable.entry_parts``).
-        if found is not None and found[0] == token:
-            return found[1]
-        text = token_text(token, token_id, self._as_ids)
-        made = (text, json_string(text))
-        if len(_KEYS) >= _KEYS_BOUND:
-            _KEYS.clear()
-        _KEYS[key] = (token, made)
+    def _make(self, token_id: int) -> str:
+        assert self._vocabulary is not None
+        token = self._vocabulary.entry_parts(token_id)[0]
+        made = self._keys[token_id] = token_text(token, token_id, self._as_ids)
         return made
 
-    def _alternatives(self, entry: LogprobEntry) -> bytes:
-        found: dict[str, tuple[bytes, float]] = {}
-        for top in entry.top_logprobs[: self._top]:
-            text, key = self._key(top.token, top.token_id)
-            found[text] = (key, top.logprob)
-        return b"{" + b",".join(key + b":" + number_json(v) for key, v in found.values()) + b"}"
-
     def json(self, entries: tuple[LogprobEntry, ...], offsets: list[int]) -> bytes:
-        tokens = b",".join(self._key(entry.token, entry.token_id)[1] for entry in entries)
-        logprobs = b",".join(number_json(entry.logprob) for entry in entries)
-        tops = b",".join(self._alternatives(entry) for entry in entries)
-        text = (
-            b'{"tokens":[' + tokens + b'],"token_logprobs":[' + logprobs
-            + b'],"top_logprobs":[' + tops
-            + b'],"text_offset":[' + ",".join(map(str, offsets)).encode() + b"]"
-        )  # fmt: skip
+        # A stream's entries all come from its one vocabulary.
+        if entries and entries[0].vocabulary is not self._vocabulary:
+            self._vocabulary = entries[0].vocabulary
+            self._keys = self._vocabulary.memo(self._name)
+        keys, make, top = self._keys, self._make, self._top
+        fragment: dict[str, object] = {
+            "tokens": [keys.get(e.token_id) or make(e.token_id) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [
+                {(keys.get(t) or make(t)): v for t, v in e.top[:top]} for e in entries
+            ],
+            "text_offset": offsets,
+        }
         if any(entry.requested for entry in entries):
-            scored = b",".join(_requested(entry) for entry in entries)
-            text += b',"token_id_logprobs":[' + scored + b"]"
-        return text + b"}"
-
-
-def _requested(entry: LogprobEntry) -> bytes:
-    scores = dict(entry.requested)  # one key per id, as the model's dict has
-    return b"{" + b",".join(b'"%d":' % t + number_json(v) for t, v in scores.items()) + b"}"
+            # One key per id, as the model's dict has.
+            fragment["token_id_logprobs"] = [
+                {str(t): v for t, v in entry.requested} for entry in entries
+            ]
+        return to_json(fragment, inf_nan_mode="null")
 
 
 class CompletionStreamEncoder:

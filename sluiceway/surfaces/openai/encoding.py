@@ -11,7 +11,10 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable
 
+from pydantic_core import to_json
+
 from sluiceway.protocol.messages import ChoiceDelta, FinishCause, LogprobEntry, Usage
+from sluiceway.protocol.tokens import TokenTable
 from sluiceway.surfaces.openai.wire import (
     CompletionTokensDetails,
     PromptTokensDetails,
@@ -19,7 +22,7 @@ from sluiceway.surfaces.openai.wire import (
     TopLogprobWire,
     UsageWire,
 )
-from sluiceway.surfaces.sse import comment, json_string
+from sluiceway.surfaces.sse import comment
 
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = comment("keepalive")
@@ -87,76 +90,56 @@ def entry_wire(entry: LogprobEntry, as_ids: bool) -> TokenLogprobWire:
     return wire
 
 
-#: ``EntryJson``'s pieces by (as ids, token id), with the token and bytes
-#: they were made from. Shared by all streams: top-k alternatives repeat
-#: across requests far more than within one.
-_PIECES: dict[tuple[bool, int], tuple[str, tuple[int, ...], tuple[bytes, bytes]]] = {}
-#: Beyond this many, the memo starts again (a few vocabularies' worth).
-_PIECES_BOUND = 1 << 19
-
-
 class EntryJson:
-    """Logprob entries as JSON text, the bytes ``entries_wire`` would dump to.
+    """Logprob entries as JSON text: what ``entries_wire`` would dump to.
 
     A streamed token with top-5 logprobs is six entries; building and dumping
     six pydantic models per token cost more than the rest of its frame
-    (``bench/pertoken-results.md``). What an entry says about its token -- the
-    ``token`` text and the ``bytes`` -- depends only on the id, so those
-    pieces are made once per id (``_PIECES``) and only the numbers are
-    written per entry.
+    (``bench/pertoken-results.md``). Here each entry is a plain dict, and the
+    frame's entries go to pydantic's own serialiser in one call (the same
+    number spelling as the models', and non-finite numbers as ``null``).
+    What an entry says about its token -- the ``token`` text and the
+    ``bytes`` -- depends only on the id, so those are made once per id and
+    vocabulary (:meth:`TokenTable.memo`, shared by every stream: top-k
+    alternatives repeat across requests far more than within one).
     """
 
-    __slots__ = ("_as_ids",)
+    __slots__ = ("_as_ids", "_name", "_parts", "_vocabulary")
 
     def __init__(self, as_ids: bool) -> None:
         self._as_ids = as_ids
+        self._name = f"openai.EntryJson:{as_ids}"
+        self._vocabulary: TokenTable | None = None
+        self._parts: dict[int, tuple[str, list[int]]] = {}
 
-    def _piece(self, token: str, token_id: int, raw: tuple[int, ...]) -> tuple[bytes, bytes]:
-        key = (self._as_ids, token_id)
-        found = _PIECES.get(key)
-        # The same id may stand for other text in another vocabulary; the
-        # comparisons are identity checks when the entry came from the memo
-        # of ``TokenTable.entry_parts``.
-        if found is not None and found[0] == token and found[1] == raw:
-            return found[2]
-        text = json_string(token_text(token, token_id, self._as_ids))
-        piece = (
-            b'{"token":' + text + b',"logprob":',
-            b',"bytes":[' + ",".join(map(str, raw)).encode() + b"]",
-        )
-        if len(_PIECES) >= _PIECES_BOUND:
-            _PIECES.clear()
-        _PIECES[key] = (token, raw, piece)
-        return piece
+    def _make(self, token_id: int) -> tuple[str, list[int]]:
+        assert self._vocabulary is not None
+        token, raw = self._vocabulary.entry_parts(token_id)
+        made = self._parts[token_id] = (token_text(token, token_id, self._as_ids), list(raw))
+        return made
 
-    def entry(self, entry: LogprobEntry) -> bytes:
-        head, raw = self._piece(entry.token, entry.token_id, entry.bytes)
+    def _entry(self, entry: LogprobEntry) -> dict[str, object]:
+        if entry.vocabulary is not self._vocabulary:  # a stream keeps one
+            self._vocabulary = entry.vocabulary
+            self._parts = entry.vocabulary.memo(self._name)
+        parts, make = self._parts, self._make
+        token, raw = parts.get(entry.token_id) or make(entry.token_id)
         tops = []
-        for top in entry.top_logprobs:
-            top_head, top_raw = self._piece(top.token, top.token_id, top.bytes)
-            tops.append(top_head + number_json(top.logprob) + top_raw + b"}")
-        text = (
-            head + number_json(entry.logprob) + raw + b',"top_logprobs":[' + b",".join(tops) + b"]"
-        )
+        for token_id, logprob in entry.top:
+            text, data = parts.get(token_id) or make(token_id)
+            tops.append({"token": text, "logprob": logprob, "bytes": data})
+        found: dict[str, object] = {
+            "token": token,
+            "logprob": entry.logprob,
+            "bytes": raw,
+            "top_logprobs": tops,
+        }
         if entry.requested:
-            requested = (b'"%d":' % t + number_json(v) for t, v in entry.requested)
-            text += b',"token_id_logprobs":{' + b",".join(requested) + b"}"
-        return text + b"}"
+            found["token_id_logprobs"] = {str(t): v for t, v in entry.requested}
+        return found
 
     def array(self, entries: Iterable[LogprobEntry]) -> bytes:
-        return b"[" + b",".join(self.entry(entry) for entry in entries) + b"]"
-
-
-def number_json(value: float) -> bytes:
-    """A logprob as JSON text."""
-    # repr is the shortest text that reads back as the same double, as
-    # pydantic's serialiser writes it (the exponent's spelling may differ);
-    # like pydantic, a non-finite number is null (the reducer floors them).
-    if value.__class__ is not float:  # a NumPy scalar's repr names its type
-        value = float(value)
-    # x - x is 0.0 for a finite x and NaN otherwise: cheaper than a call to
-    # math.isfinite, at six numbers per token with top-5.
-    return repr(value).encode() if value - value == 0.0 else b"null"
+        return to_json([self._entry(entry) for entry in entries], inf_nan_mode="null")
 
 
 def entries_wire(entries: Iterable[LogprobEntry], as_ids: bool) -> list[TokenLogprobWire]:
