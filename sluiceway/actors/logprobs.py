@@ -155,6 +155,8 @@ def reduce_rows(
     rows = logits[asked] if len(asked) < len(params) else logits
     # In float64, as Python floats would subtract: the whole step's in two calls.
     bases = log_normaliser(rows).astype(np.float64)
+    if np.isnan(bases).any():
+        rows, bases = _without_nan(rows, bases)
     chosen = [int(token_ids[index]) for index in asked]
     picked: list[float] = _floored(rows[np.arange(len(asked)), chosen] - bases).tolist()
     top_ids = top_k_rows(rows, max(params[index].top or 0 for index in asked))
@@ -175,6 +177,20 @@ def reduce_rows(
             ),
         )
     return result
+
+
+def _without_nan(
+    rows: FloatArray, bases: npt.NDArray[np.float64]
+) -> tuple[FloatArray, npt.NDArray[np.float64]]:
+    """The rows with each NaN logit (a model's overflow) as -inf, and their
+    normalisers again: a NaN token floors and ranks last, instead of one
+    row's NaN making the step's top-k fail for every row in it. Only the
+    rows whose normaliser came out NaN hold one, so only those are read."""
+    rows = rows.copy()
+    for index in np.flatnonzero(np.isnan(bases)).tolist():
+        row = rows[index]
+        row[np.isnan(row)] = -np.inf
+    return rows, log_normaliser(rows).astype(np.float64)
 
 
 def _floored(values: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:

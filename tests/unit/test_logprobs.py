@@ -68,6 +68,40 @@ def test_minus_infinity_is_clamped() -> None:
     assert entry.top[-1] == (1, LOGPROB_FLOOR)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=finite_rows,
+    nan_share=st.sampled_from([0.05, 0.5, 1.0]),
+    sick=st.integers(0, 3),
+    k=st.integers(1, 6),
+    seed=st.integers(0, 1000),
+)
+def test_a_nan_logit_floors_and_ranks_last_without_breaking_the_step(
+    rows: np.ndarray, nan_share: float, sick: int, k: int, seed: int
+) -> None:
+    """A model's overflow can put NaN in a row's logits. The step's other
+    rows keep exactly their entries, and the sick row still gets ``k``
+    alternatives: its NaN ids as -inf (floored, ranked after every number),
+    its other ids as if the NaNs were -inf."""
+    sick %= rows.shape[0]
+    noise = np.random.default_rng(seed)
+    sick_row = rows[sick].copy()
+    sick_row[noise.random(sick_row.shape) < nan_share] = np.nan
+    step = rows.copy()
+    step[sick] = sick_row
+    ids = [int(i) for i in noise.integers(0, rows.shape[1], rows.shape[0])]
+    params = [LogprobParams(top=k)] * rows.shape[0]
+    as_minus_inf = np.where(np.isnan(sick_row), -np.inf, sick_row)[None]
+    with np.errstate(invalid="ignore", divide="ignore"):  # a row all NaN: all -inf
+        got = reduce_rows(step, ids, params)
+        (sick_alone,) = reduce_rows(as_minus_inf, ids[sick : sick + 1], params[:1])
+    clean = reduce_rows(rows, ids, params)
+    for index, entry in enumerate(got):
+        assert entry == (sick_alone if index == sick else clean[index])
+        assert entry is not None
+        assert len(entry.top) == min(k, rows.shape[1])
+
+
 def test_ties_break_by_lower_id() -> None:
     assert top_k(np.array([1.0, 2.0, 2.0, 0.0], dtype=np.float32), 3).tolist() == [1, 2, 0]
 
