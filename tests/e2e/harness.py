@@ -11,8 +11,10 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
 STARTUP_SECONDS = 180
 
@@ -277,3 +279,24 @@ def assert_freed_promptly(server: RunningServer, left: int, since: float) -> flo
         f"freed after {took:.2f} s; generating the {left} tokens left takes ~{would_take:.2f} s"
     )
     return took
+
+
+def same_entries(left: list[dict[str, Any]], right: list[dict[str, Any]]) -> bool:
+    """Logprob entries of two requests alike: tokens, bytes and alternatives
+    exactly, logprobs within 1e-4 (docs/architecture.md, "Exactness"). The
+    second request restores the prompt from the prefix cache, and the
+    engine's thread count may change between the two (the tuner times both),
+    so their sums can round apart in float32's last bits."""
+
+    def shape(entries: list[dict[str, Any]]) -> list[Any]:
+        return [
+            (e["token"], e["bytes"], [(t["token"], t["bytes"]) for t in e["top_logprobs"]])
+            for e in entries
+        ]
+
+    def numbers(entries: list[dict[str, Any]]) -> list[float]:
+        return [
+            x for e in entries for x in (e["logprob"], *(t["logprob"] for t in e["top_logprobs"]))
+        ]
+
+    return shape(left) == shape(right) and numbers(left) == pytest.approx(numbers(right), abs=1e-4)
