@@ -22,7 +22,6 @@ from sluiceway.protocol.messages import (
     PromptLogprobs,
     Usage,
 )
-from sluiceway.protocol.tokens import TokenTable
 from sluiceway.surfaces.openai.completions_wire import (
     Completion,
     CompletionChoiceWire,
@@ -34,6 +33,8 @@ from sluiceway.surfaces.openai.encoding import (
     finish_reason,
     ids_json,
     prompt_entries_wire,
+    show_token,
+    shown_tokens,
     token_text,
     usage_wire,
 )
@@ -245,40 +246,38 @@ class LogprobsJson:
     As for chat (``EntryJson``), building and dumping the models cost more
     than the rest of a token's frame: here the fragment is plain dicts and
     lists, dumped by pydantic's own serialiser in one call. A token's key in
-    ``top_logprobs`` (its text, or ``token_id:N``) is made once per id and
-    vocabulary for every stream (:meth:`TokenTable.memo`). ``top_logprobs``
-    is a JSON object keyed by text, so two alternatives that read alike share
+    ``top_logprobs`` (its text, or ``token_id:N``) is made once per id
+    (:func:`shown_tokens`, which chat's entries share). ``top_logprobs`` is
+    a JSON object keyed by text, so two alternatives that read alike share
     one key, holding the later one's logprob where the first one stood: a
     dict does that, as the model's does.
     """
 
-    __slots__ = ("_as_ids", "_keys", "_name", "_top", "_vocabulary")
+    __slots__ = ("_as_ids", "_top")
 
     def __init__(self, top: int, as_ids: bool) -> None:
         self._top = top
         self._as_ids = as_ids
-        self._name = f"openai.LogprobsJson:{as_ids}"
-        self._vocabulary: TokenTable | None = None
-        self._keys: dict[int, str] = {}
-
-    def _make(self, token_id: int) -> str:
-        assert self._vocabulary is not None
-        token = self._vocabulary.entry_parts(token_id)[0]
-        made = self._keys[token_id] = token_text(token, token_id, self._as_ids)
-        return made
 
     def json(self, entries: tuple[LogprobEntry, ...], offsets: list[int]) -> bytes:
-        # A stream's entries all come from its one vocabulary.
-        if entries and entries[0].vocabulary is not self._vocabulary:
-            self._vocabulary = entries[0].vocabulary
-            self._keys = self._vocabulary.memo(self._name)
-        keys, make, top = self._keys, self._make, self._top
+        as_ids, top = self._as_ids, self._top
+        tokens: list[str] = []
+        alternatives: list[dict[str, float]] = []
+        for entry in entries:
+            vocabulary = entry.vocabulary
+            shown = shown_tokens(vocabulary, as_ids)
+            token = shown.get(entry.token_id) or show_token(vocabulary, as_ids, entry.token_id)
+            tokens.append(token[0])
+            alternatives.append(
+                {
+                    (shown.get(t) or show_token(vocabulary, as_ids, t))[0]: v
+                    for t, v in entry.top[:top]
+                }
+            )
         fragment: dict[str, object] = {
-            "tokens": [keys.get(e.token_id) or make(e.token_id) for e in entries],
+            "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [
-                {(keys.get(t) or make(t)): v for t, v in e.top[:top]} for e in entries
-            ],
+            "top_logprobs": alternatives,
             "text_offset": offsets,
         }
         if any(entry.requested for entry in entries):

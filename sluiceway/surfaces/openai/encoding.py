@@ -90,6 +90,30 @@ def entry_wire(entry: LogprobEntry, as_ids: bool) -> TokenLogprobWire:
     return wire
 
 
+#: :func:`shown_tokens`' memo in each vocabulary, by spelling (ids or text).
+_SHOWN = {False: "openai.shown_tokens:text", True: "openai.shown_tokens:ids"}
+
+
+def shown_tokens(vocabulary: TokenTable, as_ids: bool) -> dict[int, tuple[str, list[int]]]:
+    """What a logprob entry shows of each id it has met -- its ``token``
+    (:func:`token_text`) and its ``bytes`` -- made once per id, vocabulary and
+    spelling (:func:`show_token` on a miss) in a memo that lives as long as
+    the vocabulary (:meth:`TokenTable.memo`) and that every stream and both
+    template encoders share: top-k alternatives repeat across requests far
+    more than within one."""
+    return vocabulary.memo(_SHOWN[as_ids])
+
+
+def show_token(vocabulary: TokenTable, as_ids: bool, token_id: int) -> tuple[str, list[int]]:
+    """Make what :func:`shown_tokens` has not got yet for ``token_id``."""
+    token, raw = vocabulary.entry_parts(token_id)
+    made = shown_tokens(vocabulary, as_ids)[token_id] = (
+        token_text(token, token_id, as_ids),
+        list(raw),
+    )
+    return made
+
+
 class EntryJson:
     """Logprob entries as JSON text: what ``entries_wire`` would dump to.
 
@@ -99,34 +123,21 @@ class EntryJson:
     frame's entries go to pydantic's own serialiser in one call (the same
     number spelling as the models', and non-finite numbers as ``null``).
     What an entry says about its token -- the ``token`` text and the
-    ``bytes`` -- depends only on the id, so those are made once per id and
-    vocabulary (:meth:`TokenTable.memo`, shared by every stream: top-k
-    alternatives repeat across requests far more than within one).
+    ``bytes`` -- depends only on the id (:func:`shown_tokens`).
     """
 
-    __slots__ = ("_as_ids", "_name", "_parts", "_vocabulary")
+    __slots__ = ("_as_ids",)
 
     def __init__(self, as_ids: bool) -> None:
         self._as_ids = as_ids
-        self._name = f"openai.EntryJson:{as_ids}"
-        self._vocabulary: TokenTable | None = None
-        self._parts: dict[int, tuple[str, list[int]]] = {}
-
-    def _make(self, token_id: int) -> tuple[str, list[int]]:
-        assert self._vocabulary is not None
-        token, raw = self._vocabulary.entry_parts(token_id)
-        made = self._parts[token_id] = (token_text(token, token_id, self._as_ids), list(raw))
-        return made
 
     def _entry(self, entry: LogprobEntry) -> dict[str, object]:
-        if entry.vocabulary is not self._vocabulary:  # a stream keeps one
-            self._vocabulary = entry.vocabulary
-            self._parts = entry.vocabulary.memo(self._name)
-        parts, make = self._parts, self._make
-        token, raw = parts.get(entry.token_id) or make(entry.token_id)
+        vocabulary, as_ids = entry.vocabulary, self._as_ids
+        shown = shown_tokens(vocabulary, as_ids)
+        token, raw = shown.get(entry.token_id) or show_token(vocabulary, as_ids, entry.token_id)
         tops = []
         for token_id, logprob in entry.top:
-            text, data = parts.get(token_id) or make(token_id)
+            text, data = shown.get(token_id) or show_token(vocabulary, as_ids, token_id)
             tops.append({"token": text, "logprob": logprob, "bytes": data})
         found: dict[str, object] = {
             "token": token,
