@@ -166,15 +166,14 @@ def reduce_rows(
     for local, index in enumerate(asked):
         p = params[index]
         k = p.top or 0
-        base = float(bases[local])
+        requested: tuple[tuple[int, float], ...] = ()
+        if p.token_ids:
+            scores = rows[local, list(p.token_ids)].tolist()
+            requested = _entries(p.token_ids, scores, float(bases[local]))
         result[index] = TokenLogprob(
             picked[local],
             tuple(zip(ranked[local][:k], ranked_values[local][:k], strict=True)),
-            (
-                _entries(p.token_ids, rows[local, list(p.token_ids)].tolist(), base)
-                if p.token_ids
-                else ()
-            ),
+            requested,
         )
     return result
 
@@ -186,11 +185,13 @@ def _without_nan(
     normalisers again: a NaN token floors and ranks last, instead of one
     row's NaN making the step's top-k fail for every row in it. Only the
     rows whose normaliser came out NaN hold one, so only those are read."""
-    rows = rows.copy()
-    for index in np.flatnonzero(np.isnan(bases)).tolist():
+    rows, bases = rows.copy(), bases.copy()
+    sick = np.flatnonzero(np.isnan(bases))
+    for index in sick.tolist():
         row = rows[index]
         row[np.isnan(row)] = -np.inf
-    return rows, log_normaliser(rows).astype(np.float64)
+    bases[sick] = log_normaliser(rows[sick])
+    return rows, bases
 
 
 def _floored(values: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
