@@ -330,7 +330,10 @@ def _serve(conn: Connection, engine: Engine, tuning: _Tuning | None = None) -> N
                 tuning.pause()
         if method == "close":
             logger.info(
-                "steps decoded ahead: %d served, %d taken back", runner.served, runner.taken_back
+                "steps decoded ahead: %d served, %d taken back; prompts packed into them: %d",
+                runner.served,
+                runner.taken_back,
+                runner.packed,
             )
             engine.close()
             conn.send(("ok", None))
@@ -388,10 +391,15 @@ def _for_pipe(plan: StepPlan, outcome: StepOutcome) -> StepOutcome | _GreedyDeco
     if not plan.greedy:
         return outcome
     decoded, greedy = outcome.decode, outcome.decode_greedy
-    plain = not outcome.prefills and outcome.cache_error is None and outcome.decode_logprobs is None
+    plain = (
+        not outcome.prefills
+        and not outcome.late
+        and outcome.cache_error is None
+        and outcome.decode_logprobs is None
+    )
     if plain and decoded is not None and greedy is not None:
         return _GreedyDecode(decoded.slots, greedy.astype(np.int64, copy=False).tobytes())
-    for prefilled in outcome.prefills:
+    for prefilled in [*outcome.prefills, *outcome.late]:
         if prefilled.greedy is not None and prefilled.logits is not None:
             prefilled.logits = prefilled.logits[:, :0]
     if decoded is not None and greedy is not None:
@@ -402,5 +410,6 @@ def _for_pipe(plan: StepPlan, outcome: StepOutcome) -> StepOutcome | _GreedyDeco
             decode_greedy=greedy,
             decode_logprobs=outcome.decode_logprobs,
             cache_error=outcome.cache_error,
+            late=outcome.late,
         )
     return outcome

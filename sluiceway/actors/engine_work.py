@@ -235,6 +235,10 @@ class PrefillOutcome:
     first_logprobs: list[TokenLogprob | None] | None = None
     #: The work's ``keep`` was carried out.
     kept: bool = False
+    #: Not run yet: it goes into the forward pass of the step decoded ahead,
+    #: and its outcome comes in the next step's ``StepOutcome.late``
+    #: (:mod:`sluiceway.actors.run_ahead`).
+    deferred: bool = False
 
 
 @dataclass(slots=True)
@@ -249,6 +253,8 @@ class StepOutcome:
     decode_logprobs: list[TokenLogprob | None] | None = None
     #: Why the plan's ``cache_ops`` did not all run.
     cache_error: str | None = None
+    #: The outcomes of the previous step's deferred prefills, in its order.
+    late: list[PrefillOutcome] = field(default_factory=list)
 
 
 class PendingStep(Protocol):
@@ -274,9 +280,16 @@ def failed_step(plan: StepPlan, message: str) -> StepOutcome:
     )
 
 
-def execute(engine: Engine, plan: StepPlan, *, decoded: DecodeResult | None = None) -> StepOutcome:
+def execute(
+    engine: Engine,
+    plan: StepPlan,
+    *,
+    decoded: DecodeResult | None = None,
+    defer: Callable[[PrefillWork], bool] | None = None,
+) -> StepOutcome:
     """Carry out ``plan``. ``decoded``: the plan's decode, already run ahead
-    of the plan (see :mod:`sluiceway.actors.run_ahead`)."""
+    of the plan; ``defer``: which prefills to leave for the step decoded
+    ahead next (see :mod:`sluiceway.actors.run_ahead`)."""
     cache_error = _edit_cache(engine, plan.cache_ops)
     for slot in plan.frees:
         engine.free(slot)
@@ -286,6 +299,8 @@ def execute(engine: Engine, plan: StepPlan, *, decoded: DecodeResult | None = No
             # the plan assumed: no restore in this step.
             PrefillOutcome(error=cache_error)
             if cache_error is not None and work.restore_length
+            else PrefillOutcome(deferred=True)
+            if defer is not None and defer(work)
             else _prefill(engine, work)
             for work in plan.prefills
         ]
@@ -302,20 +317,24 @@ def execute(engine: Engine, plan: StepPlan, *, decoded: DecodeResult | None = No
     if plan.greedy:
         # An argmax is cheaper than a round trip to the sampler and back.
         for work, prefilled in zip(plan.prefills, outcome.prefills, strict=True):
-            if prefilled.logits is None:
-                continue
-            if work.draws:
-                prefilled.greedy, prefilled.first_logprobs = _draw_first(
-                    prefilled.logits, work.draws
-                )
-            else:
-                prefilled.greedy = prefilled.logits.argmax(axis=-1)
+            pick_first(work, prefilled)
         if outcome.decode is not None:
             picks = greedy_picks(outcome.decode, plan.masks)
             if plan.draws:
                 outcome.decode_logprobs = _draw(outcome.decode, picks, plan.draws)
             outcome.decode_greedy = picks
     return outcome
+
+
+def pick_first(work: PrefillWork, prefilled: PrefillOutcome) -> None:
+    """In a step whose tokens the engine picks: the first token of each of
+    the prompt's choices, once its final chunk has logits."""
+    if prefilled.logits is None:
+        return
+    if work.draws:
+        prefilled.greedy, prefilled.first_logprobs = _draw_first(prefilled.logits, work.draws)
+    else:
+        prefilled.greedy = prefilled.logits.argmax(axis=-1)
 
 
 def _draw(
@@ -373,11 +392,26 @@ def _edit_cache(engine: Engine, ops: tuple[CacheOp, ...]) -> str | None:
     return failure
 
 
+def before_prefill(engine: Engine, work: PrefillWork) -> None:
+    """What comes before a chunk's forward pass: its cached prefix, if any."""
+    if work.restore_length:
+        engine.restore(work.slot, work.restore, work.restore_length)
+
+
+def keep_chunk(engine: Engine, work: PrefillWork, outcome: PrefillOutcome) -> None:
+    """After a chunk's forward pass: keep it in the prefix cache, if planned."""
+    if work.keep is not None:
+        try:
+            engine.cache_op(work.keep)
+            outcome.kept = True
+        except Exception:  # the request goes on; its tokens are just not cached
+            logger.exception("keeping a prefilled chunk in the prefix cache failed")
+
+
 def _prefill(engine: Engine, work: PrefillWork) -> PrefillOutcome:
     outcome = PrefillOutcome()
     try:
-        if work.restore_length:
-            engine.restore(work.slot, work.restore, work.restore_length)
+        before_prefill(engine, work)
         if work.top is None:
             logits = engine.prefill(work.slot, work.tokens)
         else:
@@ -394,10 +428,5 @@ def _prefill(engine: Engine, work: PrefillWork) -> PrefillOutcome:
         logger.exception("prefill failed")
         outcome.error = f"prefill failed: {error}"
         return outcome
-    if work.keep is not None:
-        try:
-            engine.cache_op(work.keep)
-            outcome.kept = True
-        except Exception:  # the request goes on; its tokens are just not cached
-            logger.exception("keeping a prefilled chunk in the prefix cache failed")
+    keep_chunk(engine, work, outcome)
     return outcome

@@ -19,6 +19,15 @@ What the plan may differ in, and how that is met:
   each choice's draw), and joins the decode taken ahead, so a new request
   does not cost the engine a round trip to the event loop on its first
   decode;
+- with an engine that packs prefills into a decode step
+  (:class:`~sluiceway.engines.base.PackingEngine`), a plan served from ahead
+  leaves its prompts' final chunks (up to :data:`PACKED_TOKENS` tokens, and
+  no prompt logprobs) to the next step decoded ahead: they are prefilled in
+  that step's forward pass, at the cost of their arithmetic rather than of a
+  pass of their own. Their outcomes come with the next plan's outcome
+  (``StepOutcome.late``), and their rows join the step decoded after that.
+  A new request's first token thus comes one step later, and each prompt
+  saves the engine a forward pass;
 - anything else (a row with another token, a row joining, a non-decode call):
   the step is taken back with :meth:`Engine.undo_decode` and the plan runs
   as if nothing had happened.
@@ -44,14 +53,24 @@ from dataclasses import dataclass
 from sluiceway.actors.engine_work import (
     EngineThread,
     LoopLink,
+    PrefillOutcome,
+    PrefillWork,
     Running,
     StepOutcome,
     StepPlan,
+    before_prefill,
     execute,
+    keep_chunk,
+    pick_first,
 )
-from sluiceway.engines.base import DecodeResult, Engine
+from sluiceway.engines.base import DecodeResult, Engine, Logits, PackingEngine
 
 logger = logging.getLogger(__name__)
+
+#: The most prompt tokens packed into one decode step ahead. A chunk costs
+#: its arithmetic there, which grows with its length while the pass it
+#: saves does not; a longer one gains too little to delay a decode step for.
+PACKED_TOKENS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,19 +88,55 @@ class RunAhead:
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
+        self._packs = isinstance(engine, PackingEngine) and engine.packs_prefills
         self._ahead: _Ahead | None = None
+        #: The last plan's deferred prefills, to run in the step decoded ahead.
+        self._deferred: list[PrefillWork] = []
+        #: Deferred prefills that ran, with their outcomes, for the next plan's outcome.
+        self._late: list[tuple[PrefillWork, PrefillOutcome]] = []
         #: Steps served from ahead, and steps taken back (for tests and logs).
         self.served = 0
         self.taken_back = 0
+        #: Prompt chunks packed into a step decoded ahead.
+        self.packed = 0
 
     def execute(self, plan: StepPlan) -> StepOutcome:
         ahead, self._ahead = self._ahead, None
+        late, self._late = self._late, []
+        outcome = self._execute(plan, ahead)
+        outcome.late = [result for _, result in late]
+        self._deferred = [
+            work
+            for work, result in zip(plan.prefills, outcome.prefills, strict=True)
+            if result.deferred
+        ]
+        # Kept until run_ahead, whose prediction has their rows join.
+        self._late = late
+        return outcome
+
+    def _execute(self, plan: StepPlan, ahead: _Ahead | None) -> StepOutcome:
         if ahead is not None:
             if _serves(ahead, plan):
                 self.served += 1
-                return execute(self._engine, plan, decoded=_only(ahead.result, plan.decode))
+                decoded = _only(ahead.result, plan.decode)
+                defer = self._packable(plan)
+                return execute(self._engine, plan, decoded=decoded, defer=defer)
             self._take_back()
         return execute(self._engine, plan)
+
+    def _packable(self, plan: StepPlan) -> Callable[[PrefillWork], bool] | None:
+        """Which of a served plan's prefills wait for the step decoded ahead."""
+        if not (self._packs and plan.greedy and plan.prefills):
+            return None
+        room = [PACKED_TOKENS]
+
+        def defer(work: PrefillWork) -> bool:
+            if not work.final or work.top is not None or len(work.tokens) > room[0]:
+                return False
+            room[0] -= len(work.tokens)
+            return True
+
+        return defer
 
     def settle(self) -> None:
         """Take back a step decoded ahead, before any call other than :meth:`execute`."""
@@ -101,7 +156,13 @@ class RunAhead:
         built the step, so that the event loop's burst of work overlaps the
         computation rather than the engine's own Python.
         """
-        tokens = _prediction(plan, outcome)
+        late, self._late = self._late, []
+        tokens = _prediction(plan, outcome, late)
+        deferred, self._deferred = self._deferred, []
+        if deferred:
+            handover()
+            self._late = self._pack(tokens, deferred)
+            return
         if tokens is None:
             handover()
             return
@@ -120,15 +181,62 @@ class RunAhead:
             with contextlib.suppress(Exception):  # the plan will fail on its own
                 self._engine.undo_decode()
 
+    def _pack(
+        self, tokens: dict[int, int] | None, works: list[PrefillWork]
+    ) -> list[tuple[PrefillWork, PrefillOutcome]]:
+        """Decode ``tokens`` ahead with ``works`` prefilled in the same pass
+        (without a decode to join, prefill them alone, as the plan would)."""
+        engine = self._engine
+        assert isinstance(engine, PackingEngine)
+        if tokens is None:
+            return [(work, _alone(engine, work)) for work in works]
+        try:
+            for work in works:
+                before_prefill(engine, work)
+            result, logits = engine.decode_prefilling(
+                tokens, [(work.slot, work.tokens) for work in works]
+            )
+        except Exception as error:  # the plan will run its decode itself
+            logger.exception("a decode step with prompts packed into it failed")
+            failed = PrefillOutcome(error=f"prefill failed: {error}")
+            return [(work, failed) for work in works]
+        self.packed += len(works)
+        self._ahead = _Ahead(tokens, result)
+        return [
+            (work, _finish(engine, work, last)) for work, last in zip(works, logits, strict=True)
+        ]
+
     def _take_back(self) -> None:
         self.taken_back += 1
         self._engine.undo_decode()
 
 
-def _prediction(plan: StepPlan, outcome: StepOutcome) -> dict[int, int] | None:
+def _alone(engine: Engine, work: PrefillWork) -> PrefillOutcome:
+    """A deferred prefill run in a pass of its own, as the plan would have."""
+    return execute(engine, StepPlan(prefills=(work,), greedy=True)).prefills[0]
+
+
+def _finish(engine: Engine, work: PrefillWork, logits: Logits) -> PrefillOutcome:
+    """A packed final chunk's outcome: its choices forked, kept, first tokens picked."""
+    try:
+        for slot in work.forks:
+            engine.fork(work.slot, slot)
+    except Exception as error:  # reported to this request only
+        logger.exception("prefill failed")
+        return PrefillOutcome(error=f"prefill failed: {error}")
+    outcome = PrefillOutcome(logits=logits)
+    keep_chunk(engine, work, outcome)
+    pick_first(work, outcome)
+    return outcome
+
+
+def _prediction(
+    plan: StepPlan, outcome: StepOutcome, late: list[tuple[PrefillWork, PrefillOutcome]]
+) -> dict[int, int] | None:
     """The next step's decode, when the scheduler's next plan is foreseeable:
     every decoded row with the engine's pick, and every row whose prompt was
-    just prefilled (its choices' forks too) joining with its first token."""
+    just prefilled (its choices' forks too; ``late``: in the step decoded
+    ahead of this plan) joining with its first token."""
     if not plan.greedy:
         return None
     tokens: dict[int, int] = {}
@@ -139,7 +247,11 @@ def _prediction(plan: StepPlan, outcome: StepOutcome) -> dict[int, int] | None:
         tokens = {
             slot: int(token) for slot, token in zip(outcome.decode.slots, decoded, strict=True)
         }
-    for work, prefilled in zip(plan.prefills, outcome.prefills, strict=True):
+    freed = set(plan.frees)
+    prefilled_now = zip(plan.prefills, outcome.prefills, strict=True)
+    for work, prefilled in [*late, *prefilled_now]:
+        if work.slot in freed:  # the request went away meanwhile
+            continue
         if work.final and prefilled.greedy is not None and prefilled.error is None:
             slots = (work.slot, *work.forks)
             if work.draws:  # a pick per choice

@@ -70,6 +70,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from sluiceway.actors.engine_work import (
     EngineThread,
     PendingStep,
+    PrefillOutcome,
     PrefillWork,
     StepChannel,
     StepOutcome,
@@ -330,6 +331,10 @@ class Scheduler:
         self._guides = guides
         self._waiting: deque[_Request] = deque()
         self._prefilling: list[_Request] = []
+        #: Final chunks the engine left for its next step decoded ahead
+        #: (``PrefillOutcome.deferred``); their outcomes come in the next
+        #: step's ``StepOutcome.late``.
+        self._deferred: list[PrefillWork] = []
         self._requests: dict[str, _Request] = {}
         self._rows: dict[int, _Choice] = {}
         #: Choices out of the batch because their reader fell behind.
@@ -459,6 +464,7 @@ class Scheduler:
             self._fail(request, "the engine process was lost")
         self._to_free.clear()  # those slots died with the engine
         self._restoring.clear()
+        self._deferred.clear()
         if self._prefix is not None:
             # The cached KV died with the engine too.
             self._prefix = _prefix_index(self._config, self._info)
@@ -609,6 +615,8 @@ class Scheduler:
         for request in self._prefilling:
             if budget <= 0:
                 break
+            if request.prefilled == len(request.spec.prompt_ids):
+                continue  # its final chunk is under way (deferred by the engine)
             work = self._next_chunk(request, budget)
             budget -= len(work.tokens)
             prefills.append(work)
@@ -626,7 +634,8 @@ class Scheduler:
         frees = self._take_frees()
         # Taken last: keeping the chunks above may have evicted entries.
         cache_ops = self._prefix.take_ops() if self._prefix is not None else ()
-        if not (cache_ops or frees or prefills or decode):
+        # A step with nothing else in it still brings deferred chunks' outcomes.
+        if not (cache_ops or frees or prefills or decode or self._deferred):
             return None
         starting = [self._requests[w.request_id] for w in prefills if w.final]
         drawn = self._drawn(decoding, masks)
@@ -810,12 +819,32 @@ class Scheduler:
 
     # --- after the engine ---------------------------------------------------
 
+    def _prefilled(
+        self, plan: StepPlan, outcome: StepOutcome
+    ) -> list[tuple[PrefillWork, PrefillOutcome]]:
+        """The prefills this outcome settles: the last step's deferred ones
+        (a step that failed as a whole fails them too), then this plan's that
+        ran; this plan's deferred ones are settled by the next."""
+        late = outcome.late
+        if len(late) != len(self._deferred):
+            failure = PrefillOutcome(error=outcome.decode_error or "the engine lost this prefill")
+            late = [failure] * len(self._deferred)
+        settled = list(zip(self._deferred, late, strict=True))
+        self._deferred = []
+        for work, result in zip(plan.prefills, outcome.prefills, strict=True):
+            if result.deferred:
+                self._deferred.append(work)
+            else:
+                settled.append((work, result))
+        return settled
+
     def _absorb(self, plan: StepPlan, outcome: StepOutcome) -> _Batch:
         """Bring the step's results in; return the rows to sample, with logits."""
+        prefilled = self._prefilled(plan, outcome)
         if self._prefix is not None:
-            self._settle_cache(self._prefix, plan, outcome)
+            self._settle_cache(self._prefix, plan, outcome, prefilled)
         rows = _Batch()
-        for work, result in zip(plan.prefills, outcome.prefills, strict=True):
+        for work, result in prefilled:
             if work.slot in self._restoring:
                 self._restored(work, result.error)
                 continue
@@ -852,7 +881,13 @@ class Scheduler:
             rows.add([self._rows[slots[i]] for i in kept], logits, greedy, scores)
         return rows
 
-    def _settle_cache(self, prefix: PrefixIndex, plan: StepPlan, outcome: StepOutcome) -> None:
+    def _settle_cache(
+        self,
+        prefix: PrefixIndex,
+        plan: StepPlan,
+        outcome: StepOutcome,
+        prefilled: list[tuple[PrefillWork, PrefillOutcome]],
+    ) -> None:
         """Link what the engine kept into the prefix cache's tree."""
         if outcome.cache_error is not None:
             logger.error("%s; the prefix cache starts afresh", outcome.cache_error)
@@ -860,7 +895,7 @@ class Scheduler:
         for op in plan.cache_ops:
             if isinstance(op, KeepKV) and (hold := prefix.kept(op.entry, ok=True)) is not None:
                 prefix.release(hold)  # a finished row's: nobody goes on with it
-        for work, result in zip(plan.prefills, outcome.prefills, strict=True):
+        for work, result in prefilled:
             if work.keep is None:
                 continue
             hold = prefix.kept(work.keep.entry, ok=result.kept)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -157,6 +157,26 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class PackingEngine(Protocol):
+    """An engine that can prefill prompt chunks inside a decode step's forward pass."""
+
+    @property
+    def packs_prefills(self) -> bool:
+        """Whether :meth:`decode_prefilling` works for this model."""
+        ...
+
+    def decode_prefilling(
+        self, tokens: Mapping[int, int], chunks: Sequence[tuple[int, Sequence[int]]]
+    ) -> tuple[DecodeResult, list[Logits]]:
+        """:meth:`Engine.decode` with each ``(slot, token_ids)`` chunk
+        prefilled in the same pass (as :meth:`Engine.prefill` would; the
+        slots join the batch at a later decode); returns the decode's result
+        and each chunk's last logits, ``[1, vocab]``. Taking the step back
+        (:meth:`Engine.undo_decode`) takes back its decode only."""
+        ...
 
 
 def config_max_context(config: Mapping[str, Any]) -> int:

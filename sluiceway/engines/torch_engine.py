@@ -70,8 +70,12 @@ from sluiceway.engines.base import (
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.memory import host_available_bytes
 from sluiceway.engines.select import resolve_device
+from sluiceway.engines.torch_packed import KEYWORD, Packed, PackedCache, attend
 
 logger = logging.getLogger(__name__)
+
+#: The mask argument of a packed pass; see :meth:`TransformersEngine._packed_forward`.
+_NO_MASK = torch.zeros(1, 1, 1, 1)
 
 #: Prompt positions per forward pass while prefilling, to bound peak memory.
 PREFILL_STEP = 512
@@ -438,6 +442,7 @@ class TransformersEngine:
         self._cache_keyword = cache_keyword(self._model)
         self._layouts = _probe_layouts(self._model, self._device)
         self._ready_masks = _full_attention_only(self._model.config)
+        self._packable = self._ready_masks and self._model.config._attn_implementation == _ATTENTION
         self._pending: dict[int, KVRows] = {}
         self._batch: KVRows | None = None
         self._order: list[int] = []
@@ -483,10 +488,7 @@ class TransformersEngine:
         if slot in self._order:
             raise ValueError(f"slot {slot} is already decoding; free it before prefilling again")
         with torch.inference_mode():
-            rows = self._pending.get(slot)
-            if rows is None:
-                rows = self._pending[slot] = self._new_rows()
-                rows.open_row()
+            rows = self._pending_rows(slot)
             pieces = []
             for begin in range(0, len(token_ids), PREFILL_STEP):
                 chunk = list(token_ids[begin : begin + PREFILL_STEP])
@@ -519,6 +521,41 @@ class TransformersEngine:
 
     def start_decode(self, tokens: Mapping[int, int]) -> Callable[[], DecodeResult]:
         return functools.partial(self.decode, dict(tokens))
+
+    @property
+    def packs_prefills(self) -> bool:
+        """Whether :meth:`decode_prefilling` may be called: the CPU attention
+        path of ours, on a model whose every layer sees the whole past."""
+        return self._packable
+
+    def decode_prefilling(
+        self, tokens: Mapping[int, int], chunks: Sequence[tuple[int, Sequence[int]]]
+    ) -> tuple[DecodeResult, list[Logits]]:
+        """:meth:`decode`, with prompt chunks prefilled in the same forward
+        pass (:mod:`sluiceway.engines.torch_packed`); returns the decode's
+        result and each chunk's last logits, ``[1, vocab]``. The slots of
+        the chunks are prefilled slots (or new ones), as for :meth:`prefill`;
+        they join the batch at a later decode."""
+        if not self._packable:
+            raise ValueError("this model cannot pack prefills into a decode step")
+        if not tokens or not chunks:
+            raise ValueError("a packed step needs rows to decode and chunks to prefill")
+        missing = set(self._order) - tokens.keys()
+        if missing:
+            raise ValueError(f"decode must name every running slot; missing {sorted(missing)}")
+        for slot, ids in chunks:
+            if not ids or slot in self._order or slot in tokens:
+                raise ValueError(f"slot {slot} cannot be prefilled in this step")
+        with torch.inference_mode():
+            self._join_new(tokens)
+            assert self._batch is not None
+            parts = [self._pending_rows(slot) for slot, _ in chunks]
+            logits = self._packed_forward(
+                [tokens[slot] for slot in self._order], parts, [ids for _, ids in chunks]
+            )
+            rows = len(self._order)
+            decoded = DecodeResult(tuple(self._order), _to_numpy(logits[:rows]))
+            return decoded, [_to_numpy(logits[rows + i : rows + i + 1]) for i in range(len(chunks))]
 
     def undo_decode(self) -> None:
         if self._batch is None:
@@ -594,6 +631,43 @@ class TransformersEngine:
 
     def _new_rows(self) -> KVRows:
         return KVRows(self._layouts, self._device, ready_masks=self._ready_masks)
+
+    def _pending_rows(self, slot: int) -> KVRows:
+        """The one-row cache a slot is prefilled in, opened on its first chunk."""
+        rows = self._pending.get(slot)
+        if rows is None:
+            rows = self._pending[slot] = self._new_rows()
+            rows.open_row()
+        return rows
+
+    def _packed_forward(
+        self, decoded: Sequence[int], chunks: Sequence[KVRows], ids: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """The batch's next tokens and the chunks in one pass; the logits of
+        every decoded row, then of each chunk's last position."""
+        assert self._batch is not None
+        positions, mask = self._batch.inputs(1)
+        packed = Packed(self._batch, mask, chunks, [len(chunk) for chunk in ids])
+        places = [positions.view(1, -1)]
+        for rows, length in zip(chunks, packed.lengths, strict=True):
+            places.append(rows.inputs(length)[0])
+        flat = [*decoded, *(token for chunk in ids for token in chunk)]
+        ends = torch.tensor(packed.lengths, device=self._device).cumsum(0) + len(decoded) - 1
+        keep = torch.cat([torch.arange(len(decoded), device=self._device), ends])
+        output = self._model(
+            input_ids=torch.tensor([flat], dtype=torch.long, device=self._device),
+            position_ids=torch.cat(places, dim=1),
+            # Any 4D mask: transformers then builds none (attend() has its own).
+            attention_mask=_NO_MASK,
+            use_cache=True,
+            logits_to_keep=keep,
+            **{self._cache_keyword: PackedCache(packed, len(self._layouts)), KEYWORD: packed},
+        )
+        if packed.attended != len(self._layouts):
+            raise RuntimeError("the packed split did not reach every attention layer")
+        packed.advance()
+        logits: torch.Tensor = output.logits[0]
+        return logits
 
     def _forward(self, rows: KVRows, ids: torch.Tensor, *, keep: int) -> torch.Tensor:
         length = ids.shape[1]
@@ -740,13 +814,18 @@ def _attention(
     """transformers' SDPA attention, except for a decode step (one position
     per row): there SDPA's ``enable_gqa`` kernel takes the padding mask as it
     is, where transformers would fold grouped query heads into the query axis
-    and take a slower kernel. Unmasked, it is the call transformers makes."""
+    and take a slower kernel. Unmasked, it is the call transformers makes.
+    A packed pass (decode rows and prompt chunks) splits it again."""
+    grouped = getattr(module, "num_key_value_groups", 1) > 1
+    packed = kwargs.get(KEYWORD)
+    if packed is not None:
+        layer: int = module.layer_idx  # type: ignore[assignment]
+        return attend(packed, layer, query, scaling, grouped), None
     if query.shape[2] != 1 or dropout or kwargs.get("position_bias") is not None:
         output: tuple[torch.Tensor, None] = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
         return output
-    grouped = getattr(module, "num_key_value_groups", 1) > 1
     attended = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=grouped
     )
