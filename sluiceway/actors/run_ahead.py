@@ -103,6 +103,8 @@ class RunAhead:
     def execute(self, plan: StepPlan) -> StepOutcome:
         ahead, self._ahead = self._ahead, None
         late, self._late = self._late, []
+        if self._deferred:  # no run_ahead came since they were left: run them now
+            late += [(work, _alone(self._engine, work)) for work in self._deferred]
         outcome = self._execute(plan, ahead)
         outcome.late = [result for _, result in late]
         self._deferred = [

@@ -13,14 +13,20 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluiceway.actors.engine_work import PrefillWork, StepOutcome, StepPlan, execute
-from sluiceway.actors.run_ahead import RunAhead
+from sluiceway.actors.engine_work import (
+    PrefillOutcome,
+    PrefillWork,
+    StepOutcome,
+    StepPlan,
+    execute,
+)
+from sluiceway.actors.run_ahead import PACKED_TOKENS, RunAhead
 from sluiceway.actors.sampling import Draw
 from sluiceway.engines.base import DecodeResult, EngineInfo, Logits
 from sluiceway.engines.grammar import allowed_ids, pack
@@ -296,3 +302,142 @@ def test_a_failed_prefill_does_not_join() -> None:
     outcome.prefills[0].error = "prefill failed: out of memory"
     runner.run_ahead(plan, outcome)
     assert engine.decodes == 0
+
+
+class PackingHistoryEngine(HistoryEngine):
+    """Packs prompt chunks into a decode: as if they were prefilled first."""
+
+    packs_prefills = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.packed_calls = 0
+
+    def decode_prefilling(
+        self, tokens: Mapping[int, int], chunks: Sequence[tuple[int, Sequence[int]]]
+    ) -> tuple[DecodeResult, list[Logits]]:
+        assert not set(tokens) & {slot for slot, _ in chunks}
+        self.packed_calls += 1
+        last = [self.prefill(slot, ids) for slot, ids in chunks]
+        return self.decode(tokens), last
+
+
+@dataclass
+class PackedSchedule(Schedule):
+    """:class:`Schedule`, told which prefills came back (deferred ones a step late)."""
+
+    def settle(self, settled: list[tuple[PrefillWork, PrefillOutcome]]) -> None:
+        for work, prefilled in settled:
+            if work.final and prefilled.logits is not None:
+                self.joining[work.slot] = int(prefilled.logits[-1].argmax())
+
+
+@settings(max_examples=120, deadline=None)
+@given(draw=st.data(), steps=st.integers(1, 40))
+def test_packing_prefills_into_the_step_ahead_is_invisible(draw: st.DataObject, steps: int) -> None:
+    """Each deferred prefill's outcome, when it comes a step late, is the
+    one the plan would have given; everything else is as without packing."""
+    plain, ahead = HistoryEngine(), PackingHistoryEngine()
+    runner = RunAhead(ahead)
+    schedule = PackedSchedule(draw)
+    owed: list[tuple[PrefillWork, PrefillOutcome]] = []
+    for _ in range(steps):
+        plan = schedule.plan()
+        expected = execute(plain, plan)
+        got = runner.execute(plan)
+        assert len(got.late) == len(owed)
+        for (_, wanted), late in zip(owed, got.late, strict=True):
+            np.testing.assert_array_equal(late.logits, wanted.logits)
+            if late.greedy is not None:
+                assert wanted.logits is not None
+                assert late.greedy.tolist() == wanted.logits.argmax(axis=-1).tolist()
+        settled = [(work, late) for (work, _), late in zip(owed, got.late, strict=True)]
+        owed = []
+        for work, mine, theirs in zip(plan.prefills, got.prefills, expected.prefills, strict=True):
+            if mine.deferred:
+                assert plan.greedy
+                assert work.final
+                assert work.top is None
+                owed.append((work, theirs))
+            else:
+                np.testing.assert_array_equal(mine.logits, theirs.logits)
+                settled.append((work, mine))
+        same_outcome(expected, replace(got, prefills=expected.prefills))
+        schedule.absorb(replace(plan, prefills=()), replace(got, prefills=[]))
+        schedule.settle(settled)
+        runner.run_ahead(plan, got)
+    # The last plan's deferred prefills ran in the step ahead, which is taken back.
+    runner.settle()
+    assert ahead.histories == plain.histories
+
+
+def test_final_chunks_wait_for_the_step_ahead_and_join_the_one_after() -> None:
+    engine = PackingHistoryEngine()
+    runner = RunAhead(engine)
+    engine.prefill(0, [1, 2])
+    plan = StepPlan(decode={0: 3}, greedy=True)
+    outcome = runner.execute(plan)
+    runner.run_ahead(plan, outcome)
+    assert outcome.decode_greedy is not None
+    token = int(outcome.decode_greedy[0])
+    long = (1,) * (PACKED_TOKENS + 1)
+    plan = StepPlan(
+        decode={0: token},
+        greedy=True,
+        prefills=(
+            PrefillWork(request_id="a", slot=1, tokens=(4, 5), final=True, forks=(2,)),
+            PrefillWork(request_id="b", slot=3, tokens=(6,), final=True, top=1),
+            PrefillWork(request_id="c", slot=4, tokens=(7,), final=False),
+            PrefillWork(request_id="d", slot=5, tokens=long, final=True),
+        ),
+    )
+    outcome = runner.execute(plan)
+    assert [p.deferred for p in outcome.prefills] == [True, False, False, False]
+    assert 1 not in engine.pending, "not prefilled before the handover"
+    runner.run_ahead(plan, outcome)
+    assert engine.packed_calls == 1
+    assert runner.packed == 1
+    assert engine.pending[1] == engine.pending[2] == [4, 5], "prefilled, then forked"
+    assert outcome.decode_greedy is not None
+    following = dict(zip(outcome.decode.slots, outcome.decode_greedy.tolist(), strict=True))  # type: ignore[union-attr]
+    following |= {3: int(outcome.prefills[1].greedy[-1])}  # type: ignore[index]
+    following |= {5: int(outcome.prefills[3].greedy[-1])}  # type: ignore[index]
+    plan = StepPlan(decode=following, greedy=True)
+    outcome = runner.execute(plan)
+    assert runner.taken_back == 0, "the step ahead was the plan's"
+    (late,) = outcome.late
+    assert late.greedy is not None
+    first = int(late.greedy[-1])
+    np.testing.assert_array_equal(late.logits, _logits_after([4, 5])[None])
+    runner.run_ahead(plan, outcome)
+    # The packed rows join the step decoded after that one.
+    assert engine.running[1][-1] == engine.running[2][-1] == first
+
+
+def test_a_failed_packed_step_fails_its_prefills_only() -> None:
+    class Failing(PackingHistoryEngine):
+        def decode_prefilling(
+            self, tokens: Mapping[int, int], chunks: Sequence[tuple[int, Sequence[int]]]
+        ) -> tuple[DecodeResult, list[Logits]]:
+            raise RuntimeError("out of memory")
+
+    engine = Failing()
+    runner = RunAhead(engine)
+    engine.prefill(0, [1])
+    plan = StepPlan(decode={0: 2}, greedy=True)
+    outcome = runner.execute(plan)
+    runner.run_ahead(plan, outcome)
+    assert outcome.decode_greedy is not None
+    plan = StepPlan(
+        decode={0: int(outcome.decode_greedy[0])},
+        greedy=True,
+        prefills=(PrefillWork(request_id="a", slot=1, tokens=(3,), final=True),),
+    )
+    outcome = runner.execute(plan)
+    runner.run_ahead(plan, outcome)
+    assert outcome.decode_greedy is not None
+    plan = StepPlan(decode={0: int(outcome.decode_greedy[0])}, greedy=True)
+    outcome = runner.execute(plan)
+    assert [late.error for late in outcome.late] == ["prefill failed: out of memory"]
+    assert outcome.decode is not None
+    assert outcome.decode.slots == (0,)

@@ -277,3 +277,69 @@ async def test_queue_bound_and_waiting_cancellation() -> None:
         running.close()
 
     await run_with(engine, config, body)
+
+
+@dataclass
+class PackingFakeEngine(FakeEngine):
+    """:class:`FakeEngine` that packs prompt chunks into the step decoded ahead."""
+
+    packs_prefills: bool = True
+    pending: set[int] = field(default_factory=set)
+
+    def prefill(self, slot: int, token_ids: Sequence[int], *, all_logits: bool = False) -> Logits:
+        self.pending.add(slot)
+        return super().prefill(slot, token_ids, all_logits=all_logits)
+
+    def fork(self, source: int, target: int) -> None:
+        self.pending.add(target)
+        super().fork(source, target)
+
+    def decode(self, tokens: Mapping[int, int]) -> DecodeResult:
+        self.pending -= set(tokens)
+        return super().decode(tokens)
+
+    def free(self, slot: int) -> None:
+        self.pending.discard(slot)
+        super().free(slot)
+
+    def decode_prefilling(
+        self, tokens: Mapping[int, int], chunks: Sequence[tuple[int, Sequence[int]]]
+    ) -> tuple[DecodeResult, list[Logits]]:
+        self.calls.append(("packed", tuple(slot for slot, _ in chunks)))
+        last = [self.prefill(slot, ids) for slot, ids in chunks]
+        return self.decode(tokens), last
+
+
+@pytest.mark.anyio
+async def test_prompts_packed_into_the_step_ahead_stream_as_usual() -> None:
+    """New prompts arriving while a stream decodes go into the steps decoded
+    ahead (their outcomes a step late): every stream is whole and right,
+    one that is cancelled at once leaves nothing behind."""
+    engine = PackingFakeEngine()
+    config = SchedulerConfig(eos_ids=frozenset({EOS}))
+
+    async def body(handle: SchedulerHandle) -> None:
+        running = submit(handle, request("running", [3], max_tokens=60, ignore_eos=True))
+        await running.receive()
+        for round_ in range(6):
+            start = 2 + round_
+            streams = [
+                submit(handle, request(f"r{round_}", [1, start], max_tokens=5, ignore_eos=True)),
+                submit(handle, request(f"n{round_}", [start], max_tokens=3, n=2)),
+            ]
+            gone = submit(handle, request(f"gone{round_}", [5, 6], max_tokens=9))
+            handle.cancel(f"gone{round_}")
+            gone.close()
+            first, second = [await collect(stream) for stream in streams]
+            assert tokens_of(first) == [(start + 1 + i) % VOCAB or 1 for i in range(5)]
+            for choice in range(2):
+                assert tokens_of(second, choice) == [(start + 1 + i) % VOCAB or 1 for i in range(3)]
+        assert len(tokens_of(await collect(running))) == 59
+        await anyio.sleep(0.05)
+        assert handle.running_rows == 0
+
+    await run_with(engine, config, body)
+    packed = [args for kind, args in engine.calls if kind == "packed"]
+    assert len(packed) >= 6, "prompts that came while a stream decoded were packed"
+    assert engine.running == []
+    assert engine.pending == set(), "every prefilled slot was freed or joined"
