@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from queue import SimpleQueue
 from typing import Concatenate, Generic, ParamSpec, Protocol, TypeVar, cast, runtime_checkable
@@ -30,7 +30,7 @@ import sniffio
 from sluiceway.actors.channels import event_factory
 from sluiceway.actors.logprobs import reduce_targets
 from sluiceway.actors.sampling import Draw, draw_rows
-from sluiceway.engines.base import CacheOp, DecodeResult, Engine, KeepKV, Logits
+from sluiceway.engines.base import CacheOp, DecodeResult, Engine, KeepKV, Logits, PackingEngine
 from sluiceway.engines.grammar import Bitmask, mask_logits
 from sluiceway.engines.memory import give_back_heap
 from sluiceway.protocol.messages import TokenLogprob
@@ -174,6 +174,12 @@ class EngineThread:
         self._thread.join()
 
 
+#: The most prompt tokens packed into one forward pass (:func:`packed_pass`).
+#: A chunk costs its arithmetic there, which grows with its length, while the
+#: pass it saves does not; and a decode step packed with chunks waits for them.
+PACKED_TOKENS = 512
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PrefillWork:
     """One chunk of one prompt. ``targets`` are the prompt tokens that follow
@@ -286,29 +292,44 @@ def execute(
     *,
     decoded: DecodeResult | None = None,
     defer: Callable[[PrefillWork], bool] | None = None,
+    pack: bool = False,
 ) -> StepOutcome:
     """Carry out ``plan``. ``decoded``: the plan's decode, already run ahead
     of the plan; ``defer``: which prefills to leave for the step decoded
-    ahead next (see :mod:`sluiceway.actors.run_ahead`)."""
+    ahead next (see :mod:`sluiceway.actors.run_ahead`); ``pack``: the engine
+    packs chunks into one forward pass (:func:`packed_pass`), with the
+    plan's decode if it is still to run."""
     cache_error = _edit_cache(engine, plan.cache_ops)
     for slot in plan.frees:
         engine.free(slot)
-    outcome = StepOutcome(
-        prefills=[
+    # A pass takes one chunk per slot (each writes at its slot's end).
+    one_each = len({work.slot for work in plan.prefills}) == len(plan.prefills)
+    budget = PackBudget() if pack and one_each else None
+    prefills: list[PrefillOutcome | None] = []
+    packed: list[PrefillWork] = []
+    for work in plan.prefills:
+        if cache_error is not None and work.restore_length:
             # After a failed edit, an entry may hold other positions than
             # the plan assumed: no restore in this step.
-            PrefillOutcome(error=cache_error)
-            if cache_error is not None and work.restore_length
-            else PrefillOutcome(deferred=True)
-            if defer is not None and defer(work)
-            else _prefill(engine, work)
-            for work in plan.prefills
-        ]
-    )
-    outcome.cache_error = cache_error
-    if decoded is not None:
-        outcome.decode = decoded
-    elif plan.decode:
+            prefills.append(PrefillOutcome(error=cache_error))
+        elif defer is not None and defer(work):
+            prefills.append(PrefillOutcome(deferred=True))
+        elif budget is not None and budget.take(work):
+            packed.append(work)
+            prefills.append(None)
+        else:
+            prefills.append(_prefill(engine, work))
+    outcome = StepOutcome(prefills=[], decode=decoded, cache_error=cache_error)
+    tokens = plan.decode if decoded is None else {}
+    if packed and (tokens or len(packed) > 1):  # only then is a pass saved
+        together, results = packed_pass(engine, tokens, packed)
+        if together is not None:
+            outcome.decode = together
+    else:
+        results = [_prefill(engine, work) for work in packed]
+    ran = iter(results)
+    outcome.prefills = [p if p is not None else next(ran) for p in prefills]
+    if outcome.decode is None and plan.decode:
         try:
             outcome.decode = engine.decode(plan.decode)
         except Exception as error:  # reported to the requests in the batch
@@ -324,6 +345,53 @@ def execute(
                 outcome.decode_logprobs = _draw(outcome.decode, picks, plan.draws)
             outcome.decode_greedy = picks
     return outcome
+
+
+def packs(engine: Engine) -> bool:
+    """Whether ``engine`` prefills chunks inside a decode's forward pass."""
+    return isinstance(engine, PackingEngine) and engine.packs_prefills
+
+
+@dataclass(slots=True)
+class PackBudget:
+    """Which chunks go into one packed forward pass: none that asks for
+    prompt logprobs (those need every position's logits), and at most
+    :data:`PACKED_TOKENS` tokens in all."""
+
+    left: int = PACKED_TOKENS
+
+    def take(self, work: PrefillWork) -> bool:
+        if work.top is not None or len(work.tokens) > self.left:
+            return False
+        self.left -= len(work.tokens)
+        return True
+
+
+def packed_pass(
+    engine: Engine, tokens: Mapping[int, int], works: Sequence[PrefillWork]
+) -> tuple[DecodeResult | None, list[PrefillOutcome]]:
+    """Decode ``tokens`` (if any) and prefill ``works`` in one forward pass;
+    returns the decode's result (None without one) and each chunk's outcome.
+
+    If the pass fails, each chunk is prefilled alone, so that a failure
+    reaches only the requests it concerns, and the decode is left to the
+    caller (None)."""
+    assert isinstance(engine, PackingEngine)
+    try:
+        for work in works:
+            if work.restore_length:
+                engine.restore(work.slot, work.restore, work.restore_length)
+        result, logits = engine.decode_prefilling(
+            tokens, [(work.slot, work.tokens) for work in works]
+        )
+    except Exception:
+        logger.exception("a forward pass with prompt chunks packed into it failed")
+        for work in works:
+            if work.restore_length:  # its slot holds no more than the restored prefix
+                engine.free(work.slot)
+        return None, [_prefill(engine, work) for work in works]
+    finished = [_finish_chunk(engine, w, last) for w, last in zip(works, logits, strict=True)]
+    return (result if tokens else None), finished
 
 
 def pick_first(work: PrefillWork, prefilled: PrefillOutcome) -> None:
@@ -392,41 +460,43 @@ def _edit_cache(engine: Engine, ops: tuple[CacheOp, ...]) -> str | None:
     return failure
 
 
-def before_prefill(engine: Engine, work: PrefillWork) -> None:
-    """What comes before a chunk's forward pass: its cached prefix, if any."""
-    if work.restore_length:
-        engine.restore(work.slot, work.restore, work.restore_length)
+def _prefill(engine: Engine, work: PrefillWork) -> PrefillOutcome:
+    scores: list[TokenLogprob] = []
+    try:
+        if work.restore_length:
+            engine.restore(work.slot, work.restore, work.restore_length)
+        if work.top is None:
+            logits = engine.prefill(work.slot, work.tokens)
+        else:
+            every = engine.prefill(work.slot, work.tokens, all_logits=True)
+            # Reduced at once: a prompt's full logits are never all held.
+            scores = reduce_targets(every, work.targets, work.top)
+            logits = np.ascontiguousarray(every[-1:])
+            del every
+    except Exception as error:  # reported to this request only
+        logger.exception("prefill failed")
+        return PrefillOutcome(error=f"prefill failed: {error}")
+    outcome = _finish_chunk(engine, work, logits)
+    outcome.scores = scores
+    return outcome
 
 
-def keep_chunk(engine: Engine, work: PrefillWork, outcome: PrefillOutcome) -> None:
-    """After a chunk's forward pass: keep it in the prefix cache, if planned."""
+def _finish_chunk(engine: Engine, work: PrefillWork, logits: Logits) -> PrefillOutcome:
+    """After a chunk's forward pass (``logits``: its last position's): a
+    final chunk's logits and its choices' forks, then the prefix-cache keep."""
+    outcome = PrefillOutcome()
+    if work.final:
+        try:
+            for slot in work.forks:
+                engine.fork(work.slot, slot)
+        except Exception as error:  # reported to this request only
+            logger.exception("prefill failed")
+            return PrefillOutcome(error=f"prefill failed: {error}")
+        outcome.logits = logits
     if work.keep is not None:
         try:
             engine.cache_op(work.keep)
             outcome.kept = True
         except Exception:  # the request goes on; its tokens are just not cached
             logger.exception("keeping a prefilled chunk in the prefix cache failed")
-
-
-def _prefill(engine: Engine, work: PrefillWork) -> PrefillOutcome:
-    outcome = PrefillOutcome()
-    try:
-        before_prefill(engine, work)
-        if work.top is None:
-            logits = engine.prefill(work.slot, work.tokens)
-        else:
-            every = engine.prefill(work.slot, work.tokens, all_logits=True)
-            # Reduced at once: a prompt's full logits are never all held.
-            outcome.scores = reduce_targets(every, work.targets, work.top)
-            logits = np.ascontiguousarray(every[-1:])
-            del every
-        if work.final:
-            outcome.logits = logits
-            for slot in work.forks:
-                engine.fork(work.slot, slot)
-    except Exception as error:  # reported to this request only
-        logger.exception("prefill failed")
-        outcome.error = f"prefill failed: {error}"
-        return outcome
-    keep_chunk(engine, work, outcome)
     return outcome

@@ -21,13 +21,15 @@ What the plan may differ in, and how that is met:
   decode;
 - with an engine that packs prefills into a decode step
   (:class:`~sluiceway.engines.base.PackingEngine`), a plan served from ahead
-  leaves its prompts' final chunks (up to :data:`PACKED_TOKENS` tokens, and
-  no prompt logprobs) to the next step decoded ahead: they are prefilled in
+  leaves its prompts' final chunks (up to ``PACKED_TOKENS`` tokens, and no
+  prompt logprobs) to the next step decoded ahead: they are prefilled in
   that step's forward pass, at the cost of their arithmetic rather than of a
   pass of their own. Their outcomes come with the next plan's outcome
   (``StepOutcome.late``), and their rows join the step decoded after that.
   A new request's first token thus comes one step later, and each prompt
-  saves the engine a forward pass;
+  saves the engine a forward pass. (Chunks a plan runs itself are packed
+  into one pass too, with its decode when that is still to run:
+  :func:`~sluiceway.actors.engine_work.execute`.)
 - anything else (a row with another token, a row joining, a non-decode call):
   the step is taken back with :meth:`Engine.undo_decode` and the plan runs
   as if nothing had happened.
@@ -53,24 +55,20 @@ from dataclasses import dataclass
 from sluiceway.actors.engine_work import (
     EngineThread,
     LoopLink,
+    PackBudget,
     PrefillOutcome,
     PrefillWork,
     Running,
     StepOutcome,
     StepPlan,
-    before_prefill,
     execute,
-    keep_chunk,
+    packed_pass,
+    packs,
     pick_first,
 )
-from sluiceway.engines.base import DecodeResult, Engine, Logits, PackingEngine
+from sluiceway.engines.base import DecodeResult, Engine
 
 logger = logging.getLogger(__name__)
-
-#: The most prompt tokens packed into one decode step ahead. A chunk costs
-#: its arithmetic there, which grows with its length while the pass it
-#: saves does not; a longer one gains too little to delay a decode step for.
-PACKED_TOKENS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,12 +86,14 @@ class RunAhead:
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._packs = isinstance(engine, PackingEngine) and engine.packs_prefills
+        self._packs = packs(engine)
         self._ahead: _Ahead | None = None
         #: The last plan's deferred prefills, to run in the step decoded ahead.
         self._deferred: list[PrefillWork] = []
         #: Deferred prefills that ran, with their outcomes, for the next plan's outcome.
         self._late: list[tuple[PrefillWork, PrefillOutcome]] = []
+        #: The ones just reported, whose rows the prediction has join.
+        self._reported: list[tuple[PrefillWork, PrefillOutcome]] = []
         #: Steps served from ahead, and steps taken back (for tests and logs).
         self.served = 0
         self.taken_back = 0
@@ -104,7 +104,7 @@ class RunAhead:
         ahead, self._ahead = self._ahead, None
         late, self._late = self._late, []
         if self._deferred:  # no run_ahead came since they were left: run them now
-            late += [(work, _alone(self._engine, work)) for work in self._deferred]
+            late += self._alone(self._deferred)
         outcome = self._execute(plan, ahead)
         outcome.late = [result for _, result in late]
         self._deferred = [
@@ -112,8 +112,7 @@ class RunAhead:
             for work, result in zip(plan.prefills, outcome.prefills, strict=True)
             if result.deferred
         ]
-        # Kept until run_ahead, whose prediction has their rows join.
-        self._late = late
+        self._reported = late
         return outcome
 
     def _execute(self, plan: StepPlan, ahead: _Ahead | None) -> StepOutcome:
@@ -121,24 +120,18 @@ class RunAhead:
             if _serves(ahead, plan):
                 self.served += 1
                 decoded = _only(ahead.result, plan.decode)
-                defer = self._packable(plan)
-                return execute(self._engine, plan, decoded=decoded, defer=defer)
+                defer = self._deferrable(plan)
+                return execute(self._engine, plan, decoded=decoded, defer=defer, pack=self._packs)
             self._take_back()
-        return execute(self._engine, plan)
+        return execute(self._engine, plan, pack=self._packs)
 
-    def _packable(self, plan: StepPlan) -> Callable[[PrefillWork], bool] | None:
-        """Which of a served plan's prefills wait for the step decoded ahead."""
+    def _deferrable(self, plan: StepPlan) -> Callable[[PrefillWork], bool] | None:
+        """Which of a served plan's prefills wait for the step decoded ahead:
+        final chunks (whose rows join the step after it), within a pass's budget."""
         if not (self._packs and plan.greedy and plan.prefills):
             return None
-        room = [PACKED_TOKENS]
-
-        def defer(work: PrefillWork) -> bool:
-            if not work.final or work.top is not None or len(work.tokens) > room[0]:
-                return False
-            room[0] -= len(work.tokens)
-            return True
-
-        return defer
+        budget = PackBudget()
+        return lambda work: work.final and budget.take(work)
 
     def settle(self) -> None:
         """Take back a step decoded ahead, before any call other than :meth:`execute`."""
@@ -158,8 +151,8 @@ class RunAhead:
         built the step, so that the event loop's burst of work overlaps the
         computation rather than the engine's own Python.
         """
-        late, self._late = self._late, []
-        tokens = _prediction(plan, outcome, late)
+        tokens = _prediction(plan, outcome, self._reported)
+        self._reported = []
         deferred, self._deferred = self._deferred, []
         if deferred:
             handover()
@@ -188,48 +181,24 @@ class RunAhead:
     ) -> list[tuple[PrefillWork, PrefillOutcome]]:
         """Decode ``tokens`` ahead with ``works`` prefilled in the same pass
         (without a decode to join, prefill them alone, as the plan would)."""
-        engine = self._engine
-        assert isinstance(engine, PackingEngine)
         if tokens is None:
-            return [(work, _alone(engine, work)) for work in works]
-        try:
-            for work in works:
-                before_prefill(engine, work)
-            result, logits = engine.decode_prefilling(
-                tokens, [(work.slot, work.tokens) for work in works]
-            )
-        except Exception as error:  # the plan will run its decode itself
-            logger.exception("a decode step with prompts packed into it failed")
-            failed = PrefillOutcome(error=f"prefill failed: {error}")
-            return [(work, failed) for work in works]
-        self.packed += len(works)
-        self._ahead = _Ahead(tokens, result)
-        return [
-            (work, _finish(engine, work, last)) for work, last in zip(works, logits, strict=True)
-        ]
+            return self._alone(works)
+        decoded, outcomes = packed_pass(self._engine, tokens, works)
+        if decoded is not None:
+            self.packed += len(works)
+            self._ahead = _Ahead(tokens, decoded)
+        for work, outcome in zip(works, outcomes, strict=True):
+            pick_first(work, outcome)  # the plan they came in was greedy
+        return list(zip(works, outcomes, strict=True))
+
+    def _alone(self, works: list[PrefillWork]) -> list[tuple[PrefillWork, PrefillOutcome]]:
+        """Deferred prefills run without a decode, as their plan would have."""
+        plan = StepPlan(prefills=tuple(works), greedy=True)
+        return list(zip(works, execute(self._engine, plan, pack=True).prefills, strict=True))
 
     def _take_back(self) -> None:
         self.taken_back += 1
         self._engine.undo_decode()
-
-
-def _alone(engine: Engine, work: PrefillWork) -> PrefillOutcome:
-    """A deferred prefill run in a pass of its own, as the plan would have."""
-    return execute(engine, StepPlan(prefills=(work,), greedy=True)).prefills[0]
-
-
-def _finish(engine: Engine, work: PrefillWork, logits: Logits) -> PrefillOutcome:
-    """A packed final chunk's outcome: its choices forked, kept, first tokens picked."""
-    try:
-        for slot in work.forks:
-            engine.fork(work.slot, slot)
-    except Exception as error:  # reported to this request only
-        logger.exception("prefill failed")
-        return PrefillOutcome(error=f"prefill failed: {error}")
-    outcome = PrefillOutcome(logits=logits)
-    keep_chunk(engine, work, outcome)
-    pick_first(work, outcome)
-    return outcome
 
 
 def _prediction(

@@ -535,26 +535,28 @@ class TransformersEngine:
         pass (:mod:`sluiceway.engines.torch_packed`); returns the decode's
         result and each chunk's last logits, ``[1, vocab]``. The slots of
         the chunks are prefilled slots (or new ones), as for :meth:`prefill`;
-        they join the batch at a later decode."""
+        they join the batch at a later decode. Without ``tokens`` the pass
+        only prefills the chunks, and the running rows wait."""
         if not self._packable:
             raise ValueError("this model cannot pack prefills into a decode step")
-        if not tokens or not chunks:
-            raise ValueError("a packed step needs rows to decode and chunks to prefill")
+        if not chunks:
+            raise ValueError("a packed step needs chunks to prefill")
         missing = set(self._order) - tokens.keys()
-        if missing:
+        if tokens and missing:
             raise ValueError(f"decode must name every running slot; missing {sorted(missing)}")
+        slots = [slot for slot, _ in chunks]
         for slot, ids in chunks:
-            if not ids or slot in self._order or slot in tokens:
+            if not ids or slot in self._order or slot in tokens or slots.count(slot) > 1:
                 raise ValueError(f"slot {slot} cannot be prefilled in this step")
         with torch.inference_mode():
             self._join_new(tokens)
-            assert self._batch is not None
+            order = self._order if tokens else []
             parts = [self._pending_rows(slot) for slot, _ in chunks]
             logits = self._packed_forward(
-                [tokens[slot] for slot in self._order], parts, [ids for _, ids in chunks]
+                [tokens[slot] for slot in order], parts, [ids for _, ids in chunks]
             )
-            rows = len(self._order)
-            decoded = DecodeResult(tuple(self._order), _to_numpy(logits[:rows]))
+            rows = len(order)
+            decoded = DecodeResult(tuple(order), _to_numpy(logits[:rows]))
             return decoded, [_to_numpy(logits[rows + i : rows + i + 1]) for i in range(len(chunks))]
 
     def undo_decode(self) -> None:
@@ -643,12 +645,15 @@ class TransformersEngine:
     def _packed_forward(
         self, decoded: Sequence[int], chunks: Sequence[KVRows], ids: Sequence[Sequence[int]]
     ) -> torch.Tensor:
-        """The batch's next tokens and the chunks in one pass; the logits of
-        every decoded row, then of each chunk's last position."""
-        assert self._batch is not None
-        positions, mask = self._batch.inputs(1)
-        packed = Packed(self._batch, mask, chunks, [len(chunk) for chunk in ids])
-        places = [positions.view(1, -1)]
+        """The batch's next tokens (if any) and the chunks in one pass; the
+        logits of every decoded row, then of each chunk's last position."""
+        batch, places, mask = None, [], None
+        if decoded:
+            batch = self._batch
+            assert batch is not None
+            positions, mask = batch.inputs(1)
+            places.append(positions.view(1, -1))
+        packed = Packed(batch, mask, chunks, [len(chunk) for chunk in ids])
         for rows, length in zip(chunks, packed.lengths, strict=True):
             places.append(rows.inputs(length)[0])
         flat = [*decoded, *(token for chunk in ids for token in chunk)]

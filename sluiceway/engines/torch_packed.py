@@ -45,12 +45,14 @@ class Packed:
     """The layout of one packed forward pass, and each layer's keys and values
     (set by :class:`_PackedLayer`, read by :func:`attend`)."""
 
-    batch: KVRows
+    #: The running batch, when the pass decodes it.
+    batch: KVRows | None
     #: The running batch's additive decode mask ``[rows, 1, 1, window]``, or None.
     decode_mask: torch.Tensor | None
     chunks: Sequence[KVRows]
     lengths: Sequence[int]
-    #: Per layer: the batch's window, then each chunk's, as ``(keys, values)``.
+    #: Per layer: the batch's window (if it decodes), then each chunk's, as
+    #: ``(keys, values)``.
     views: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
     #: Layers whose attention went through :func:`attend` (a check that the
     #: keyword reached every one).
@@ -58,21 +60,22 @@ class Packed:
 
     @property
     def rows(self) -> int:
-        return self.batch.rows
+        return self.batch.rows if self.batch is not None else 0
 
     def write(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store one layer's new keys and values, ``[1, heads, tokens, dim]``, in place."""
         rows = self.rows
-        # The decode part: token i is row i's next position.
-        views = [
-            self.batch.write(
-                layer,
-                keys[0, :, :rows, None].transpose(0, 1),
-                values[0, :, :rows, None].transpose(0, 1),
+        views = []
+        if self.batch is not None:  # the decode part: token i is row i's next position
+            views.append(
+                self.batch.write(
+                    layer,
+                    keys[0, :, :rows, None].transpose(0, 1),
+                    values[0, :, :rows, None].transpose(0, 1),
+                )
             )
-        ]
         offset = rows
         for chunk, length in zip(self.chunks, self.lengths, strict=True):
             stop = offset + length
@@ -85,7 +88,8 @@ class Packed:
         return keys, values
 
     def advance(self) -> None:
-        self.batch.advance(1)
+        if self.batch is not None:
+            self.batch.advance(1)
         for chunk, length in zip(self.chunks, self.lengths, strict=True):
             chunk.advance(length)
 
@@ -97,20 +101,22 @@ def attend(
     views = packed.views[layer]
     rows = packed.rows
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    keys, values = views[0]
-    decode_query = query[0, :, :rows, None].transpose(0, 1)
-    parts = [
-        sdpa(
+    parts = []
+    if packed.batch is not None:
+        keys, values = views[0]
+        views = views[1:]
+        decode_query = query[0, :, :rows, None].transpose(0, 1)
+        attended = sdpa(
             decode_query,
             keys,
             values,
             attn_mask=packed.decode_mask,
             scale=scaling,
             enable_gqa=grouped,
-        ).reshape(1, rows, query.shape[1], query.shape[3])
-    ]
+        )
+        parts.append(attended.reshape(1, rows, query.shape[1], query.shape[3]))
     offset = rows
-    for (keys, values), length in zip(views[1:], packed.lengths, strict=True):
+    for (keys, values), length in zip(views, packed.lengths, strict=True):
         stop = offset + length
         past = keys.shape[2] - length
         mask = None

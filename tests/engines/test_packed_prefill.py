@@ -49,13 +49,16 @@ def _reset(engine: TransformersEngine, slots: Sequence[int]) -> None:
         max_size=3,
     ),
     seed=st.integers(0, 1000),
+    decode=st.booleans(),
 )
 def test_a_packed_step_is_a_prefill_then_a_decode(
     engines: tuple[TransformersEngine, TransformersEngine],
     running: list[int],
     chunks: list[tuple[int, str]],
     seed: int,
+    decode: bool,
 ) -> None:
+    """Without ``decode``, the pass only prefills (the running rows wait)."""
     plain, packed = engines
     assert packed.packs_prefills
     rows = {slot: _ids(length, seed + slot) for slot, length in enumerate(running)}
@@ -79,11 +82,15 @@ def test_a_packed_step_is_a_prefill_then_a_decode(
             following = {s: int(r.argmax()) for s, r in zip(step.slots, step.logits, strict=True)}
             if engine is plain:
                 expected = [engine.prefill(slot, ids) for slot, (ids, _) in work.items()]
-                decoded = engine.decode(following)
+                decoded = engine.decode(following) if decode else step
             else:
                 decoded, got = engine.decode_prefilling(
-                    following, [(slot, ids) for slot, (ids, _) in work.items()]
+                    following if decode else {},
+                    [(slot, ids) for slot, (ids, _) in work.items()],
                 )
+                if not decode:
+                    assert decoded.slots == ()
+                    decoded = step
             joined = {
                 s: int(r.argmax()) for s, r in zip(decoded.slots, decoded.logits, strict=True)
             }
@@ -143,6 +150,10 @@ def test_a_packed_step_refuses_what_a_decode_or_a_prefill_would(
             engine.decode_prefilling({0: 1}, [(0, [2])])
         with pytest.raises(ValueError, match="cannot be prefilled"):
             engine.decode_prefilling({0: 1}, [(1, [])])
+        with pytest.raises(ValueError, match="cannot be prefilled"):
+            engine.decode_prefilling({0: 1}, [(1, [2]), (1, [3])])
+        with pytest.raises(ValueError, match="needs chunks"):
+            engine.decode_prefilling({0: 1}, [])
     finally:
         _reset(engine, [0, 1, 9])
 

@@ -20,13 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluiceway.actors.engine_work import (
+    PACKED_TOKENS,
     PrefillOutcome,
     PrefillWork,
     StepOutcome,
     StepPlan,
     execute,
 )
-from sluiceway.actors.run_ahead import PACKED_TOKENS, RunAhead
+from sluiceway.actors.run_ahead import RunAhead
 from sluiceway.actors.sampling import Draw
 from sluiceway.engines.base import DecodeResult, EngineInfo, Logits
 from sluiceway.engines.grammar import allowed_ids, pack
@@ -316,9 +317,13 @@ class PackingHistoryEngine(HistoryEngine):
     def decode_prefilling(
         self, tokens: Mapping[int, int], chunks: Sequence[tuple[int, Sequence[int]]]
     ) -> tuple[DecodeResult, list[Logits]]:
-        assert not set(tokens) & {slot for slot, _ in chunks}
+        slots = [slot for slot, _ in chunks]
+        assert not set(tokens) & set(slots)
+        assert len(set(slots)) == len(slots), "one chunk per slot in a pass"
         self.packed_calls += 1
         last = [self.prefill(slot, ids) for slot, ids in chunks]
+        if not tokens:  # a pass that only prefills
+            return DecodeResult((), np.zeros((0, VOCAB), dtype=np.float32)), last
         return self.decode(tokens), last
 
 
@@ -414,18 +419,24 @@ def test_final_chunks_wait_for_the_step_ahead_and_join_the_one_after() -> None:
     assert engine.running[1][-1] == engine.running[2][-1] == first
 
 
-def test_a_failed_packed_step_fails_its_prefills_only() -> None:
+def test_a_failed_packed_pass_runs_its_parts_alone() -> None:
+    """A packed pass that fails (say, out of memory) costs nobody their
+    request: each chunk is prefilled alone, and the plan decodes itself."""
+
     class Failing(PackingHistoryEngine):
         def decode_prefilling(
             self, tokens: Mapping[int, int], chunks: Sequence[tuple[int, Sequence[int]]]
         ) -> tuple[DecodeResult, list[Logits]]:
+            self.packed_calls += 1
             raise RuntimeError("out of memory")
 
-    engine = Failing()
+    engine, plain = Failing(), HistoryEngine()
     runner = RunAhead(engine)
-    engine.prefill(0, [1])
+    for each in (engine, plain):
+        each.prefill(0, [1])
     plan = StepPlan(decode={0: 2}, greedy=True)
     outcome = runner.execute(plan)
+    execute(plain, plan)
     runner.run_ahead(plan, outcome)
     assert outcome.decode_greedy is not None
     plan = StepPlan(
@@ -434,10 +445,18 @@ def test_a_failed_packed_step_fails_its_prefills_only() -> None:
         prefills=(PrefillWork(request_id="a", slot=1, tokens=(3,), final=True),),
     )
     outcome = runner.execute(plan)
+    execute(plain, plan)
+    assert outcome.prefills[0].deferred
     runner.run_ahead(plan, outcome)
+    assert engine.packed_calls == 1
     assert outcome.decode_greedy is not None
     plan = StepPlan(decode={0: int(outcome.decode_greedy[0])}, greedy=True)
     outcome = runner.execute(plan)
-    assert [late.error for late in outcome.late] == ["prefill failed: out of memory"]
+    execute(plain, plan)
+    (late,) = outcome.late
+    assert late.error is None
+    np.testing.assert_array_equal(late.logits, _logits_after([3])[None])
     assert outcome.decode is not None
     assert outcome.decode.slots == (0,)
+    assert runner.taken_back == 0, "nothing was decoded ahead: the plan decoded itself"
+    assert engine.histories == plain.histories

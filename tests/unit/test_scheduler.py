@@ -307,6 +307,8 @@ class PackingFakeEngine(FakeEngine):
     ) -> tuple[DecodeResult, list[Logits]]:
         self.calls.append(("packed", tuple(slot for slot, _ in chunks)))
         last = [self.prefill(slot, ids) for slot, ids in chunks]
+        if not tokens:  # a pass that only prefills
+            return DecodeResult((), np.zeros((0, VOCAB), dtype=np.float32)), last
         return self.decode(tokens), last
 
 
