@@ -303,10 +303,10 @@ def execute(
     for slot in plan.frees:
         engine.free(slot)
     # A pass takes one chunk per slot (each writes at its slot's end).
-    one_each = len({work.slot for work in plan.prefills}) == len(plan.prefills)
-    budget = PackBudget() if pack and one_each else None
+    pack = pack and len({work.slot for work in plan.prefills}) == len(plan.prefills)
     prefills: list[PrefillOutcome | None] = []
-    packed: list[PrefillWork] = []
+    groups: list[list[PrefillWork]] = []
+    room = 0
     for work in plan.prefills:
         if cache_error is not None and work.restore_length:
             # After a failed edit, an entry may hold other positions than
@@ -314,20 +314,17 @@ def execute(
             prefills.append(PrefillOutcome(error=cache_error))
         elif defer is not None and defer(work):
             prefills.append(PrefillOutcome(deferred=True))
-        elif budget is not None and budget.take(work):
-            packed.append(work)
+        elif pack and packable(work):
+            if len(work.tokens) > room:
+                groups.append([])
+                room = PACKED_TOKENS
+            groups[-1].append(work)
+            room -= len(work.tokens)
             prefills.append(None)
         else:
             prefills.append(_prefill(engine, work))
     outcome = StepOutcome(prefills=[], decode=decoded, cache_error=cache_error)
-    tokens = plan.decode if decoded is None else {}
-    if packed and (tokens or len(packed) > 1):  # only then is a pass saved
-        together, results = packed_pass(engine, tokens, packed)
-        if together is not None:
-            outcome.decode = together
-    else:
-        results = [_prefill(engine, work) for work in packed]
-    ran = iter(results)
+    ran = iter(_run_groups(engine, outcome, plan.decode if decoded is None else {}, groups))
     outcome.prefills = [p if p is not None else next(ran) for p in prefills]
     if outcome.decode is None and plan.decode:
         try:
@@ -352,19 +349,46 @@ def packs(engine: Engine) -> bool:
     return isinstance(engine, PackingEngine) and engine.packs_prefills
 
 
+def packable(work: PrefillWork) -> bool:
+    """Whether a chunk may go into a packed pass: not one that asks for
+    prompt logprobs (those need every position's logits), nor a longer one
+    than a pass takes."""
+    return work.top is None and len(work.tokens) <= PACKED_TOKENS
+
+
 @dataclass(slots=True)
 class PackBudget:
-    """Which chunks go into one packed forward pass: none that asks for
-    prompt logprobs (those need every position's logits), and at most
-    :data:`PACKED_TOKENS` tokens in all."""
+    """What is left of one packed pass's :data:`PACKED_TOKENS`."""
 
     left: int = PACKED_TOKENS
 
     def take(self, work: PrefillWork) -> bool:
-        if work.top is not None or len(work.tokens) > self.left:
+        if not packable(work) or len(work.tokens) > self.left:
             return False
         self.left -= len(work.tokens)
         return True
+
+
+def _run_groups(
+    engine: Engine,
+    outcome: StepOutcome,
+    tokens: Mapping[int, int],
+    groups: list[list[PrefillWork]],
+) -> list[PrefillOutcome]:
+    """Each group of chunks in a packed pass, the first with the plan's
+    decode (``tokens``, if it is still to run; its result goes in
+    ``outcome``); a lone chunk without a decode takes a pass of its own."""
+    results: list[PrefillOutcome] = []
+    for group in groups:
+        if tokens or len(group) > 1:  # only then is a pass saved
+            together, ran = packed_pass(engine, tokens, group)
+            if together is not None:
+                outcome.decode = together
+            tokens = {}
+        else:
+            ran = [_prefill(engine, group[0])]
+        results += ran
+    return results
 
 
 def packed_pass(

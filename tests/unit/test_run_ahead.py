@@ -460,3 +460,34 @@ def test_a_failed_packed_pass_runs_its_parts_alone() -> None:
     assert outcome.decode.slots == (0,)
     assert runner.taken_back == 0, "nothing was decoded ahead: the plan decoded itself"
     assert engine.histories == plain.histories
+
+
+def test_a_burst_of_prompts_is_packed_into_as_few_passes_as_fit() -> None:
+    """Prompts a plan prefills itself go into passes of at most
+    ``PACKED_TOKENS`` tokens, the first with the plan's decode; a prompt
+    asking for prompt logprobs, or longer than a pass, runs alone."""
+    engine, plain = PackingHistoryEngine(), HistoryEngine()
+    for each in (engine, plain):
+        each.prefill(0, [1])
+    size = PACKED_TOKENS // 4
+    works = [
+        PrefillWork(request_id=f"r{slot}", slot=slot, tokens=(slot % 7,) * size, final=True)
+        for slot in range(1, 10)
+    ]
+    works += [
+        PrefillWork(request_id="top", slot=20, tokens=(3,), final=True, top=2, targets=()),
+        PrefillWork(request_id="long", slot=21, tokens=(4,) * (PACKED_TOKENS + 1), final=True),
+    ]
+    plan = StepPlan(decode={0: 2}, greedy=True, prefills=tuple(works))
+    got = execute(engine, plan, pack=True)
+    expected = execute(plain, plan)
+    # 4 + 4 + 1 prompts: the first four with the decode; the last one alone
+    # would save no pass, so it takes its own.
+    assert engine.packed_calls == 2
+    assert engine.decodes == 1
+    same_outcome(expected, got)
+    for mine, theirs in zip(got.prefills, expected.prefills, strict=True):
+        assert mine.greedy is not None
+        assert theirs.greedy is not None
+        assert mine.greedy.tolist() == theirs.greedy.tolist()
+    assert engine.histories == plain.histories
