@@ -54,7 +54,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from sluiceway.engines.base import (
@@ -70,7 +69,7 @@ from sluiceway.engines.base import (
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.memory import host_available_bytes
 from sluiceway.engines.select import resolve_device
-from sluiceway.engines.torch_packed import KEYWORD, Packed, PackedCache, attend
+from sluiceway.engines.torch_packed import KEYWORD, Packed, StoreCache, attend
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +198,7 @@ class KVRows:
         self.start = 0
         self.end = 0
         self.first: list[int] = []
-        self.cache = _WindowCache(self)
+        self.cache = StoreCache(self, len(self.layouts))
 
     @property
     def window(self) -> int:
@@ -386,42 +385,6 @@ class KVRows:
 
 def _round_up(value: int, step: int) -> int:
     return (value + step - 1) // step * step
-
-
-class _WindowLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
-    """One layer of :class:`KVRows` seen through transformers' cache-layer API."""
-
-    is_sliding = False
-
-    def __init__(self, rows: KVRows, layer: int) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self._rows = rows
-        self._layer = layer
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        return None
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._rows.write(self._layer, key_states, value_states)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._rows.window + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self._rows.window
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class _WindowCache(Cache):
-    """The transformers ``Cache`` the model writes through; the storage is :class:`KVRows`."""
-
-    def __init__(self, rows: KVRows) -> None:
-        super().__init__(layers=[_WindowLayer(rows, i) for i in range(len(rows.layouts))])
 
 
 class TransformersEngine:
@@ -666,7 +629,7 @@ class TransformersEngine:
             attention_mask=_NO_MASK,
             use_cache=True,
             logits_to_keep=keep,
-            **{self._cache_keyword: PackedCache(packed, len(self._layouts)), KEYWORD: packed},
+            **{self._cache_keyword: StoreCache(packed, len(self._layouts)), KEYWORD: packed},
         )
         if packed.attended != len(self._layouts):
             raise RuntimeError("the packed split did not reach every attention layer")

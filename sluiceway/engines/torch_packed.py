@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -61,6 +61,11 @@ class Packed:
     @property
     def rows(self) -> int:
         return self.batch.rows if self.batch is not None else 0
+
+    @property
+    def window(self) -> int:
+        """No past of its own: each part's is in its cache (see :func:`attend`)."""
+        return 0
 
     def write(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
@@ -139,12 +144,25 @@ def attend(
     return torch.cat(parts, dim=1).contiguous()
 
 
-class _PackedLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
+class Store(Protocol):
+    """Where a cache layer's writes go: :class:`KVRows`, or a packed pass."""
+
+    @property
+    def window(self) -> int: ...
+
+    def write(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class _StoreLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
+    """One layer of a :class:`Store` seen through transformers' cache-layer API."""
+
     is_sliding = False
 
-    def __init__(self, packed: Packed, layer: int) -> None:
+    def __init__(self, store: Store, layer: int) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self._packed = packed
+        self._store = store
         self._layer = layer
         self.is_initialized = True
 
@@ -154,20 +172,20 @@ class _PackedLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._packed.write(self._layer, key_states, value_states)
+        return self._store.write(self._layer, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, 0
+        return self._store.window + query_length, 0
 
     def get_seq_length(self) -> int:
-        return 0
+        return self._store.window
 
     def get_max_length(self) -> int:
         return -1
 
 
-class PackedCache(Cache):
-    """The transformers ``Cache`` of one packed pass: writes go where each part lives."""
+class StoreCache(Cache):
+    """The transformers ``Cache`` a model writes through, over a :class:`Store`."""
 
-    def __init__(self, packed: Packed, layers: int) -> None:
-        super().__init__(layers=[_PackedLayer(packed, i) for i in range(layers)])
+    def __init__(self, store: Store, layers: int) -> None:
+        super().__init__(layers=[_StoreLayer(store, i) for i in range(layers)])
