@@ -486,12 +486,20 @@ async def run_level(
     requests_per_client: int,
     max_tokens: int,
     request_timeout: float = 900.0,
+    stagger: float = 0.0,
 ) -> Level:
     """``concurrency`` closed-loop clients, each sending ``requests_per_client``
     requests, each client in a thread of its own (awaited, so that the caller's
-    event loop keeps running)."""
+    event loop keeps running).
 
-    def one_client(batch: Sequence[Prompt]) -> list[Sample]:
+    Closed-loop clients whose requests take equally long start and end in
+    step: each round's prompts are all prefilled before its first decode.
+    ``stagger`` spreads them: client ``i`` starts ``i / concurrency *
+    stagger`` seconds late, and keeps that offset, so that prompts arrive
+    while other streams decode (as under continuous arrivals)."""
+
+    def one_client(offset: float, batch: Sequence[Prompt]) -> list[Sample]:
+        time.sleep(offset)
         connection = Connection(target.base_url)
         try:
             return [
@@ -507,7 +515,10 @@ async def run_level(
         cpu = time.process_time()
         started = time.perf_counter()
         results = await asyncio.gather(
-            *(loop.run_in_executor(clients, one_client, batch) for batch in batches)
+            *(
+                loop.run_in_executor(clients, one_client, i / concurrency * stagger, batch)
+                for i, batch in enumerate(batches)
+            )
         )
         wall = time.perf_counter() - started
         cpu = time.process_time() - cpu

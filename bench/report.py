@@ -41,6 +41,9 @@ class Settings:
     body: tuple[tuple[str, object], ...] = ()
     #: Keep each server's log (``--keep-logs``).
     keep_logs: bool = False
+    #: Spread the clients' starts over this many seconds (``--stagger``;
+    #: ``loadgen.run_level``).
+    stagger: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ the targets met or missed, and our pipeline's cost per streamed token.
         [--models large tiny] [--concurrency 1 4 16 64] [--no-peers] [--trace]
         [--server-args='--engine-process'] [--server-env K=V ...]
         [--load greedy|sampled|top5] [--body JSON] [--keep-logs]
-        [--output bench/serve-results.md]
+        [--stagger SECONDS] [--output bench/serve-results.md]
 
 The default run takes about 17 minutes on a 2-core host, ``--quick`` about 3.
 The host is measured for other load (``bench/hostload.py``): a measurement
@@ -510,6 +510,7 @@ def measure_level(
                 concurrency=concurrency,
                 requests_per_client=settings.requests_per_client[concurrency],
                 max_tokens=settings.max_tokens,
+                stagger=settings.stagger,
             )
         )
         other = span.other_cores()
@@ -640,6 +641,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--keep-logs", action="store_true", help="keep each server's log (its path is noted)"
     )
+    parser.add_argument(
+        "--stagger",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="spread the clients' starts over this long, so that prompts arrive while "
+        "other streams decode (default 0: a level's requests start and end together)",
+    )
     parser.add_argument("--output", type=Path, default=HERE / "serve-results.md")
     args = parser.parse_args(argv)
 
@@ -662,6 +671,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         paired_rounds=1 if args.quick else max(1, args.paired_rounds),
         body=load_body(args.load, args.body),
         keep_logs=args.keep_logs,
+        stagger=args.stagger,
     )
     engines = ["transformers", "mlx"] if args.engine == "both" else [args.engine]
     started = time.perf_counter()
@@ -716,7 +726,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"(each request its own), max_tokens {settings.max_tokens} "
         f"(`ignore_eos` sent to sluiceway; the peers do not take it, and their tokens are "
         f"counted as received), concurrency {', '.join(map(str, concurrency))} with "
-        f"{', '.join(f'{per_client[c]}' for c in concurrency)} requests per client per round, "
+        f"{', '.join(f'{per_client[c]}' for c in concurrency)} requests per client per round"
+        f"{f' (client starts spread over {settings.stagger:g} s)' if settings.stagger else ''}, "
         f"after a warm-up. Our levels at concurrency {', '.join(map(str, BARE_BATCHES))} ran "
         f"{settings.paired_rounds} round(s) each, taking turns with the peer (bare engine, "
         f"our level, bare engine, the peer's level); shown: our round with the median "

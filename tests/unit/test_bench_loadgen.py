@@ -35,7 +35,11 @@ Respond = Callable[[asyncio.StreamWriter], Awaitable[bool]]
 
 
 async def _serve(
-    respond: Respond, requests: int, concurrency: int = 1, time_limit: float = 10
+    respond: Respond,
+    requests: int,
+    concurrency: int = 1,
+    time_limit: float = 10,
+    stagger: float = 0.0,
 ) -> tuple[Level, int]:
     """Run ``requests`` streamed requests against a stub server; returns the
     level and how many connections the server accepted."""
@@ -71,6 +75,7 @@ async def _serve(
             requests_per_client=requests,
             max_tokens=5,
             request_timeout=time_limit,
+            stagger=stagger,
         )
     return level, accepted
 
@@ -183,3 +188,20 @@ def test_a_stalled_stream_ends_at_the_time_limit() -> None:
     assert sample.error is not None
     assert sample.error.startswith("TimeoutError")
     assert time.perf_counter() - started < 2.5
+
+
+def test_stagger_spreads_the_clients_and_keeps_their_offsets() -> None:
+    async def quick(writer: asyncio.StreamWriter) -> bool:
+        data = b"".join(_sse(5))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(data) + data)
+        await writer.drain()
+        return True
+
+    level, _ = asyncio.run(_serve(quick, requests=2, concurrency=4, stagger=0.8))
+    assert level.errors == 0, level.first_errors()
+    firsts = sorted(min(s.sent for s in level.samples[i * 2 : i * 2 + 2]) for i in range(4))
+    gaps = [b - a for a, b in itertools.pairwise(firsts)]
+    assert all(0.15 < gap < 0.45 for gap in gaps), gaps
+    unstaggered, _ = asyncio.run(_serve(quick, requests=1, concurrency=4))
+    sent = [s.sent for s in unstaggered.samples]
+    assert max(sent) - min(sent) < 0.15
