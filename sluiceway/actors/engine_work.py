@@ -306,7 +306,7 @@ def execute(
     pack = pack and len({work.slot for work in plan.prefills}) == len(plan.prefills)
     prefills: list[PrefillOutcome | None] = []
     groups: list[list[PrefillWork]] = []
-    room = 0
+    budget = PackBudget(left=0)
     for work in plan.prefills:
         if cache_error is not None and work.restore_length:
             # After a failed edit, an entry may hold other positions than
@@ -315,11 +315,11 @@ def execute(
         elif defer is not None and defer(work):
             prefills.append(PrefillOutcome(deferred=True))
         elif pack and packable(work):
-            if len(work.tokens) > room:
+            if not budget.take(work):  # this pass is full: start the next
+                budget = PackBudget()
+                budget.take(work)
                 groups.append([])
-                room = PACKED_TOKENS
             groups[-1].append(work)
-            room -= len(work.tokens)
             prefills.append(None)
         else:
             prefills.append(_prefill(engine, work))
@@ -403,8 +403,7 @@ def packed_pass(
     assert isinstance(engine, PackingEngine)
     try:
         for work in works:
-            if work.restore_length:
-                engine.restore(work.slot, work.restore, work.restore_length)
+            _restore(engine, work)
         result, logits = engine.decode_prefilling(
             tokens, [(work.slot, work.tokens) for work in works]
         )
@@ -487,8 +486,7 @@ def _edit_cache(engine: Engine, ops: tuple[CacheOp, ...]) -> str | None:
 def _prefill(engine: Engine, work: PrefillWork) -> PrefillOutcome:
     scores: list[TokenLogprob] = []
     try:
-        if work.restore_length:
-            engine.restore(work.slot, work.restore, work.restore_length)
+        _restore(engine, work)
         if work.top is None:
             logits = engine.prefill(work.slot, work.tokens)
         else:
@@ -503,6 +501,12 @@ def _prefill(engine: Engine, work: PrefillWork) -> PrefillOutcome:
     outcome = _finish_chunk(engine, work, logits)
     outcome.scores = scores
     return outcome
+
+
+def _restore(engine: Engine, work: PrefillWork) -> None:
+    """Before a prompt's first chunk: the start the prefix cache holds, if any."""
+    if work.restore_length:
+        engine.restore(work.slot, work.restore, work.restore_length)
 
 
 def _finish_chunk(engine: Engine, work: PrefillWork, logits: Logits) -> PrefillOutcome:

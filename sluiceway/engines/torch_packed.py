@@ -43,7 +43,7 @@ KEYWORD = "sluiceway_packed"
 @dataclass(slots=True)
 class Packed:
     """The layout of one packed forward pass, and each layer's keys and values
-    (set by :class:`_PackedLayer`, read by :func:`attend`)."""
+    (set by :meth:`write`, read by :func:`attend`)."""
 
     #: The running batch, when the pass decodes it.
     batch: KVRows | None
@@ -51,9 +51,9 @@ class Packed:
     decode_mask: torch.Tensor | None
     chunks: Sequence[KVRows]
     lengths: Sequence[int]
-    #: Per layer: the batch's window (if it decodes), then each chunk's, as
+    #: By layer: the batch's window (if it decodes), then each chunk's, as
     #: ``(keys, values)``.
-    views: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     #: Layers whose attention went through :func:`attend` (a check that the
     #: keyword reached every one).
     attended: int = 0
@@ -86,10 +86,7 @@ class Packed:
             stop = offset + length
             views.append(chunk.write(layer, keys[:, :, offset:stop], values[:, :, offset:stop]))
             offset = stop
-        if layer == len(self.views):
-            self.views.append(views)
-        else:
-            self.views[layer] = views
+        self.views[layer] = views
         return keys, values
 
     def advance(self) -> None:
