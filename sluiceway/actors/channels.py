@@ -18,6 +18,12 @@ half of that, when it calls ``on_drained``. The scheduler reads ``full`` to
 pause a request whose client does not keep up, and the drained call tells it
 to resume: a stalled reader costs its request a bounded buffer, not a
 generation that runs on.
+
+A mailbox may also wake its reader in batches (``every``): the first message
+wakes it at once, and after that a waiting reader wakes only once ``every``
+messages wait, or when the writer closes. The reader then takes them all in
+one turn, so a stream's task wakes, and its reply writes, once per ``every``
+steps instead of once per step (the server's ``--stream-interval``).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ def event_factory() -> Callable[[], anyio.Event]:
 
 class _MailboxState(Generic[T]):
     __slots__ = (
+        "every",
         "full",
         "limit",
         "make_event",
@@ -65,6 +72,7 @@ class _MailboxState(Generic[T]):
         "on_drained",
         "reader_closed",
         "waiter",
+        "wake_at",
         "writer_closed",
     )
 
@@ -73,6 +81,7 @@ class _MailboxState(Generic[T]):
         make_event: Callable[[], anyio.Event],
         limit: int | None,
         on_drained: Callable[[], None] | None,
+        every: int = 1,
     ) -> None:
         self.messages: deque[T] = deque()
         self.waiter: anyio.Event | None = None
@@ -82,6 +91,13 @@ class _MailboxState(Generic[T]):
         self.limit = limit
         self.on_drained = on_drained
         self.full = False
+        self.every = every
+        #: Messages that wake a waiting reader: 1 until it has read one.
+        self.wake_at = 1
+
+    def due(self) -> bool:
+        """Whether a waiting reader should wake."""
+        return len(self.messages) >= self.wake_at or self.writer_closed or self.reader_closed
 
     def wake(self) -> None:
         if self.waiter is not None:
@@ -108,7 +124,8 @@ class MailboxWriter(Generic[T]):
         state.messages.append(message)
         if state.limit is not None and len(state.messages) >= state.limit:
             state.full = True
-        state.wake()
+        if len(state.messages) >= state.wake_at:
+            state.wake()
 
     @property
     def full(self) -> bool:
@@ -138,6 +155,7 @@ class MailboxReader(Generic[T]):
             raise anyio.ClosedResourceError
         if state.messages:
             message = state.messages.popleft()
+            state.wake_at = state.every
             if state.full and len(state.messages) * 2 <= (state.limit or 0):
                 state.full = False
                 if state.on_drained is not None:
@@ -155,9 +173,11 @@ class MailboxReader(Generic[T]):
         return bool(state.messages) or state.writer_closed or state.reader_closed
 
     async def receive(self) -> T:
-        """The next message, waiting for it if needed (no checkpoint first)."""
+        """The next message, waiting for it if needed (no checkpoint first);
+        past the first message, a mailbox opened with ``every`` waits until
+        that many are there (or the end)."""
         state = self._state
-        while not self.ready:
+        while not state.due():
             if state.waiter is not None:
                 raise RuntimeError("a mailbox has one reader at a time")
             waiter = state.waiter = state.make_event()
@@ -185,11 +205,15 @@ Mailbox = tuple[MailboxWriter[T], MailboxReader[T]]
 
 
 def open_mailbox(
-    limit: int | None = None, on_drained: Callable[[], None] | None = None
+    limit: int | None = None, on_drained: Callable[[], None] | None = None, every: int = 1
 ) -> Mailbox[T]:
     """A one-reader channel that never blocks its writer; with a ``limit``,
     it reports ``full`` past it and calls ``on_drained`` once the reader has
-    caught up (see the module's docstring). Open it inside the event loop
-    that uses it."""
-    state: _MailboxState[T] = _MailboxState(event_factory(), limit, on_drained)
+    caught up; with ``every``, it wakes its reader in batches (see the
+    module's docstring). Open it inside the event loop that uses it."""
+    if every < 1 or (limit is not None and every > limit):
+        # Past the limit the writer's request pauses, so a batch larger than
+        # the limit would never fill and its reader would never wake.
+        raise ValueError(f"every must be between 1 and the limit ({limit}), not {every}")
+    state: _MailboxState[T] = _MailboxState(event_factory(), limit, on_drained, every)
     return MailboxWriter(state), MailboxReader(state)

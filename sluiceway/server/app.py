@@ -359,7 +359,7 @@ class SluicewayApp:
                 params,
                 self.config.max_body_bytes,
                 self.config.keepalive_seconds,
-                Tracking(self.supervisor, record),
+                Tracking(self.supervisor, record, self.config.stream_interval),
             )
             await route.handler(cast(Serving, live.serving if live else None), call)
         except ClientDisconnected:

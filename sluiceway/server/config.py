@@ -14,6 +14,11 @@ WorkerClass = Literal["asyncio", "trio"]
 
 ENV_PREFIX = "SLUICEWAY_"
 
+#: The largest stream interval: half of a request's mailbox
+#: (``sluiceway.server.exchange.MAILBOX_LIMIT``), which must hold a batch and
+#: the steps that arrive while it is written.
+MAX_STREAM_INTERVAL = 32
+
 #: The log line of the server (and of its engine process).
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -67,6 +72,9 @@ class ServerConfig:
     #: (``sluiceway.actors.prefix_cache.default_budget``).
     prefix_cache_bytes: int | None = None
     keepalive_seconds: float = 5.0
+    #: Steps between a stream's writes after its first token (1: every
+    #: step); fewer writes cost the event loop less per token.
+    stream_interval: int = 1
     #: Seconds running requests get to finish after SIGTERM/SIGINT.
     shutdown_timeout: float = 30.0
     #: A request whose client reads nothing for this long ends (0: never).
@@ -121,9 +129,12 @@ class ServerConfig:
             "max_num_seqs",
             "max_queued_requests",
             "prefill_chunk_tokens",
+            "stream_interval",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.stream_interval > MAX_STREAM_INTERVAL:
+            raise ValueError(f"stream_interval must be at most {MAX_STREAM_INTERVAL}")
         if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
             raise ValueError("prefix_cache_bytes must not be negative")
         if not 0 <= self.max_top_logprobs <= 1000:

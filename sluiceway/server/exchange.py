@@ -16,6 +16,11 @@ on the connection, the mailbox fills, and the scheduler pauses the request
 until it drains (see ``sluiceway.actors.channels``). The exchange registers
 with the :class:`~sluiceway.server.supervision.Supervisor`, which can end it
 from outside (shutdown, deadline) and abandon a write that stalls.
+
+With a stream interval of N (``--stream-interval``), a request's mailbox
+wakes its reader for the first step and then once every N steps (or at the
+end): the output actor, the encoder and the write then run once for N steps'
+tokens. The frames are the same; fewer writes carry them.
 """
 
 from __future__ import annotations
@@ -78,10 +83,12 @@ class Submitter(ChoiceFinisher, Protocol):
 
 @dataclass(slots=True)
 class Tracking:
-    """What an exchange reports to: the supervisor and the request's record."""
+    """What an exchange reports to (the supervisor, the request's record),
+    and how often it reads its outputs (the stream interval, in steps)."""
 
     supervisor: Supervisor = field(default_factory=Supervisor)
     record: RequestRecord = field(default_factory=lambda: RequestRecord("-", "-", "-"))
+    stream_interval: int = 1
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: CancelScope) -> None:
@@ -93,7 +100,7 @@ async def _cancel_on_disconnect(receive: Receive, scope: CancelScope) -> None:
 
 
 def _submit_all(
-    scheduler: Submitter, jobs: Sequence[Job]
+    scheduler: Submitter, jobs: Sequence[Job], every: int
 ) -> tuple[list[Outbox[RequestOutput]], list[MailboxReader[RequestOutput]]]:
     """Submit every job, or none: a refusal (queue full) cancels the others.
     Returns the mailboxes' two ends."""
@@ -105,7 +112,7 @@ def _submit_all(
             # pauses the request instead, until the reader catches up.
             request_id = job.request.request_id
             mailbox: Mailbox[RequestOutput] = open_mailbox(
-                MAILBOX_LIMIT, functools.partial(scheduler.resume, request_id)
+                MAILBOX_LIMIT, functools.partial(scheduler.resume, request_id), every
             )
             send, receive = mailbox
             streams.append(receive)
@@ -215,7 +222,7 @@ async def _exchange(
     disconnect (or a stalled write) cancels: the body under this context is
     then cut short, and the context exits quietly. Whatever ends, the
     requests are dropped."""
-    outboxes, streams = _submit_all(scheduler, jobs)
+    outboxes, streams = _submit_all(scheduler, jobs, tracking.stream_interval)
     tracking.record.generated = True
     try:
         async with anyio.create_task_group() as group:
