@@ -165,3 +165,31 @@ def test_a_long_stream_arrives_in_fewer_reads(
     assert frames == [e for e in events(plain, "/completions", payload) if isinstance(e, dict)]
     # The first token alone, then a write per INTERVAL steps, then the end.
     assert reads <= 1 + math.ceil((tokens - 1) / INTERVAL) + 2, reads
+
+
+def test_several_prompts_stream_each_choice_the_same(
+    pair: tuple[RunningServer, RunningServer], scripted: ScriptedModel
+) -> None:
+    """A completion with several prompts merges one output task per prompt:
+    the choices interleave as their batches come, so each choice's frames
+    are compared in order."""
+    paced, plain = pair
+    payload = {
+        "model": "scripted",
+        "prompt": [scripted.selector("bytes_stop"), scripted.selector("reasoning")],
+        "max_tokens": 25,
+        "temperature": 0,
+        "logprobs": 1,
+    }
+
+    def by_choice(server: RunningServer) -> dict[int, list[Any]]:
+        choices: dict[int, list[Any]] = {}
+        for event in events(server, "/completions", payload):
+            if isinstance(event, dict):
+                for choice in event["choices"]:
+                    choices.setdefault(choice["index"], []).append(choice)
+        return choices
+
+    expected = by_choice(plain)
+    assert sorted(expected) == [0, 1]
+    assert by_choice(paced) == expected
