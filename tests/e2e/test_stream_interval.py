@@ -26,7 +26,8 @@ from tests.fixtures.scripted_model import ScriptedModel
 INTERVAL = 4
 #: Fields that differ between two runs of one request.
 VOLATILE = frozenset(
-    {"id", "call_id", "created", "created_at", "completed_at", "item_id", "system_fingerprint"}
+    ("id", "call_id", "created", "created_at", "completed_at", "item_id", "request_id")
+    + ("system_fingerprint",)
 )
 
 
@@ -59,7 +60,7 @@ def settled(value: Any) -> Any:
 
 
 def events(server: RunningServer, path: str, payload: dict[str, Any]) -> list[Any]:
-    response = httpx.post(server.api_url + path, json={**payload, "stream": True}, timeout=60)
+    response = httpx.post(server.base_url + path, json={**payload, "stream": True}, timeout=60)
     assert response.status_code == 200, response.text
     return [
         settled(json.loads(line[6:])) if line.startswith("data: {") else line
@@ -70,7 +71,7 @@ def events(server: RunningServer, path: str, payload: dict[str, Any]) -> list[An
 
 def reply(server: RunningServer, path: str, payload: dict[str, Any]) -> Any:
     payload = {k: v for k, v in payload.items() if k != "stream_options"}
-    response = httpx.post(server.api_url + path, json=payload, timeout=60)
+    response = httpx.post(server.base_url + path, json=payload, timeout=60)
     assert response.status_code == 200, response.text
     return settled(response.json())
 
@@ -88,15 +89,19 @@ def chat(scripted: ScriptedModel, script: str, **fields: Any) -> dict[str, Any]:
 
 def cases(scripted: ScriptedModel) -> list[tuple[str, dict[str, Any]]]:
     """One request per surface and parser: text with a stop string across
-    tokens and multi-byte characters, reasoning, tool calls, logprobs."""
+    tokens and multi-byte characters, reasoning, tool calls, logprobs, and
+    tokens in and out."""
     logprobs = {"logprobs": True, "top_logprobs": 2}
     return [
-        ("/chat/completions", chat(scripted, "bytes_stop", stop=["STOP"], **logprobs)),
-        ("/chat/completions", chat(scripted, "bytes_stop", stream_options={"include_usage": True})),
-        ("/chat/completions", chat(scripted, "reasoning", **logprobs)),
-        ("/chat/completions", chat(scripted, "tool_call", tools=CHAT_TOOLS)),
+        ("/v1/chat/completions", chat(scripted, "bytes_stop", stop=["STOP"], **logprobs)),
         (
-            "/completions",
+            "/v1/chat/completions",
+            chat(scripted, "bytes_stop", stream_options={"include_usage": True}),
+        ),
+        ("/v1/chat/completions", chat(scripted, "reasoning", **logprobs)),
+        ("/v1/chat/completions", chat(scripted, "tool_call", tools=CHAT_TOOLS)),
+        (
+            "/v1/completions",
             {
                 "model": "scripted",
                 "prompt": scripted.selector("bytes_stop"),
@@ -108,12 +113,20 @@ def cases(scripted: ScriptedModel) -> list[tuple[str, dict[str, Any]]]:
             },
         ),
         (
-            "/messages",
+            "/v1/messages",
             {**chat(scripted, "reasoning"), "thinking": {"type": "enabled", "budget_tokens": 1024}},
         ),
-        ("/messages", {**chat(scripted, "tool_call"), "tools": ANTHROPIC_TOOLS}),
+        ("/v1/messages", {**chat(scripted, "tool_call"), "tools": ANTHROPIC_TOOLS}),
         (
-            "/responses",
+            "/inference/v1/generate",
+            {
+                "model": "scripted",
+                "token_ids": [scripted.selector_ids["reasoning"]],
+                "sampling_params": {"temperature": 0, "logprobs": 1, "max_tokens": 30},
+            },
+        ),
+        (
+            "/v1/responses",
             {
                 "model": "scripted",
                 "input": "go",
@@ -151,7 +164,9 @@ def test_a_long_stream_arrives_in_fewer_reads(
         "stream": True,
     }
     reads, body = 0, b""
-    with httpx.stream("POST", paced.api_url + "/completions", json=payload, timeout=60) as response:
+    with httpx.stream(
+        "POST", paced.base_url + "/v1/completions", json=payload, timeout=60
+    ) as response:
         assert response.status_code == 200
         for piece in response.iter_raw():
             reads += 1
@@ -162,7 +177,7 @@ def test_a_long_stream_arrives_in_fewer_reads(
         if line.startswith("data: {")
     ]
     assert len(frames) > tokens // 2
-    assert frames == [e for e in events(plain, "/completions", payload) if isinstance(e, dict)]
+    assert frames == [e for e in events(plain, "/v1/completions", payload) if isinstance(e, dict)]
     # The first token alone, then a write per INTERVAL steps, then the end.
     assert reads <= 1 + math.ceil((tokens - 1) / INTERVAL) + 2, reads
 
@@ -184,7 +199,7 @@ def test_several_prompts_stream_each_choice_the_same(
 
     def by_choice(server: RunningServer) -> dict[int, list[Any]]:
         choices: dict[int, list[Any]] = {}
-        for event in events(server, "/completions", payload):
+        for event in events(server, "/v1/completions", payload):
             if isinstance(event, dict):
                 for choice in event["choices"]:
                     choices.setdefault(choice["index"], []).append(choice)
