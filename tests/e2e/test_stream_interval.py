@@ -26,8 +26,16 @@ from tests.fixtures.scripted_model import ScriptedModel
 INTERVAL = 4
 #: Fields that differ between two runs of one request.
 VOLATILE = frozenset(
-    ("id", "call_id", "created", "created_at", "completed_at", "item_id", "request_id")
-    + ("system_fingerprint",)
+    {
+        "id",
+        "call_id",
+        "created",
+        "created_at",
+        "completed_at",
+        "item_id",
+        "request_id",
+        "system_fingerprint",
+    }
 )
 
 
