@@ -77,6 +77,7 @@ async def server_info(lifecycle: Lifecycle, serving: Serving, call: Call) -> Non
         "max_running_requests": config.max_num_seqs,
         "max_queued_requests": config.max_queued_requests,
         "chunked_prefill_size": config.prefill_chunk_tokens,
+        "stream_interval": config.stream_interval,
     }
     if lifecycle.model is not None:
         info = lifecycle.model.engine.info

@@ -164,6 +164,13 @@ def test_streams_and_replies_are_the_same_as_every_step(
         assert reply(paced, path, payload) == reply(plain, path, payload), (path, payload)
 
 
+def test_server_info_reports_the_interval(pair: tuple[RunningServer, RunningServer]) -> None:
+    paced, plain = pair
+    for server, interval in ((paced, INTERVAL), (plain, 1)):
+        info = httpx.get(server.base_url + "/server_info", timeout=10).json()
+        assert info["stream_interval"] == interval
+
+
 def test_a_long_stream_arrives_in_fewer_reads(
     pair: tuple[RunningServer, RunningServer], scripted: ScriptedModel
 ) -> None:
