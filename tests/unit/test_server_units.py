@@ -12,7 +12,8 @@ import pytest
 from sluiceway.engines.loader import freeze_heap
 from sluiceway.protocol.errors import InvalidRequest, MethodNotAllowed, NotFound
 from sluiceway.server.cli import build_parser, config_from_args
-from sluiceway.server.config import CHOICES, ServerConfig
+from sluiceway.server.config import CHOICES, MAX_STREAM_INTERVAL, ServerConfig
+from sluiceway.server.exchange import MAILBOX_LIMIT
 from sluiceway.server.routing import Router
 from sluiceway.surfaces.openai.chat_wire import ChatRequest
 from sluiceway.surfaces.openai.fields import stop_strings
@@ -59,6 +60,16 @@ def test_device_takes_what_the_engine_takes() -> None:
 def test_bad_environment_is_refused(environ: dict[str, str]) -> None:
     with pytest.raises(ValueError, match=r"."):
         ServerConfig.from_env(environ)
+
+
+def test_the_stream_interval_is_bounded_by_half_a_mailbox() -> None:
+    """The two constants live in different modules; a batch and the steps
+    that come while it is written must fit in a request's mailbox."""
+    assert 2 * MAX_STREAM_INTERVAL <= MAILBOX_LIMIT
+    assert ServerConfig(stream_interval=MAX_STREAM_INTERVAL).stream_interval == MAX_STREAM_INTERVAL
+    for refused in (0, MAX_STREAM_INTERVAL + 1):
+        with pytest.raises(ValueError, match="stream_interval"):
+            ServerConfig(stream_interval=refused)
 
 
 def _other_value(spec: dataclasses.Field[Any], default: Any) -> tuple[Any, list[str], str]:
