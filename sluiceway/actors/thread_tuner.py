@@ -36,14 +36,28 @@ logger = logging.getLogger(__name__)
 PAIRS = 4
 #: Steady steps timed per block.
 BLOCK = 4
-#: Steps left untimed after the count changes (the thread pool waking up).
-SETTLE = 1
+#: Seconds of steady steps left untimed after the count changes (at least
+#: one step). A switch takes tens of milliseconds to show its full effect,
+#: and not only in the thread pool's wake-up: after two threads ran, an
+#: OpenMP worker still spins on the core that the event loop wakes on, and
+#: the kernel's load averages (which place that wake-up) decay over tens of
+#: milliseconds. Tiny model, concurrency 1, 2 cores, switching every 150
+#: steps: one-thread steps took 4.0, 3.8 and 3.45 ms over their first 10
+#: steps and 3.15 from the 20th on; two-thread steps took 3.4 ms for the first
+#: 2 steps (on the quiet core one thread left) and 3.95 from the 10th on.
+#: Blocks of 4 steps after one untimed step read the slower count as the
+#: faster, and the tuner kept two threads, 15% slower than one.
+SETTLE_SECONDS = 0.1
 #: The other count must be faster by this share, over the median pair and in
 #: all pairs but one, to replace the choice.
 MARGIN = 0.03
-#: Steady steps between checks after a change; doubled each time a choice holds.
-FIRST_HOLD = 96
-LONGEST_HOLD = 6144
+#: Seconds of steady steps between checks after a change; doubled each time
+#: a choice holds. In seconds, like the settling: a check on the tiny model
+#: at concurrency 1 takes ~0.9 s, half of it on the other count, and holds
+#: of 96 steps (~0.3 s there) had it run on the slower count a tenth of the
+#: time.
+FIRST_HOLD_SECONDS = 2.0
+LONGEST_HOLD_SECONDS = 64.0
 
 
 @runtime_checkable
@@ -63,13 +77,14 @@ class _Bucket:
     """One batch-size bucket's choice and the check under way."""
 
     choice: int
-    #: Steady steps to run on ``choice`` before the next check.
-    hold: int = 0
+    #: Seconds of steady steps to run on ``choice`` before the next check.
+    hold: float = 0.0
     #: How long the next hold lasts.
-    next_hold: int = FIRST_HOLD
+    next_hold: float = FIRST_HOLD_SECONDS
     #: The count of the block being timed, or None while holding.
     timing: int | None = None
-    skip: int = 0
+    #: Seconds of steps still to leave untimed after a switch.
+    settle: float = 0.0
     block: list[float] = field(default_factory=list)
     #: Each timed block's mean seconds per row: choice, other, choice, ...
     means: list[float] = field(default_factory=list)
@@ -82,13 +97,16 @@ class ThreadTuner:
 
     Call :meth:`threads_for` before each step and :meth:`observe` after
     the round it started; only steps whose rows match the step before them
-    are timed, so a prefill or a request joining does not count.
+    are timed, so a prefill or a request joining does not count. After
+    each switch, steps are left untimed until they add up to
+    ``settle_seconds`` (at least one step).
     """
 
-    def __init__(self, most: int) -> None:
+    def __init__(self, most: int, *, settle_seconds: float = SETTLE_SECONDS) -> None:
         if most < 2:
             raise ValueError("a thread count to choose needs at least 2 threads")
         self._most = most
+        self._settle_seconds = settle_seconds
         self._buckets: dict[int, _Bucket] = {}
         self._last_rows = 0
 
@@ -114,13 +132,13 @@ class ThreadTuner:
             return
         bucket = self._bucket(rows)
         if bucket.timing is None:
-            bucket.hold -= 1
+            bucket.hold -= seconds
             if bucket.hold <= 0:
-                bucket.timing, bucket.skip = bucket.choice, 0
+                bucket.timing, bucket.settle = bucket.choice, 0.0
                 bucket.means = []
             return
-        if bucket.skip > 0:
-            bucket.skip -= 1
+        if bucket.settle > 0:
+            bucket.settle -= seconds
             return
         bucket.block.append(seconds / rows)
         if len(bucket.block) < BLOCK:
@@ -128,7 +146,7 @@ class ThreadTuner:
         bucket.means.append(statistics.fmean(bucket.block))
         bucket.block = []
         if len(bucket.means) < 2 * PAIRS:
-            bucket.timing, bucket.skip = self._other(bucket.timing), SETTLE
+            bucket.timing, bucket.settle = self._other(bucket.timing), self._settle_seconds
         else:
             self._decide(rows, bucket)
 
@@ -159,8 +177,8 @@ class ThreadTuner:
                 ratio * 100,
             )
             bucket.choice = other
-            bucket.next_hold = FIRST_HOLD
+            bucket.next_hold = FIRST_HOLD_SECONDS
         else:
-            bucket.next_hold = min(bucket.next_hold * 2, LONGEST_HOLD)
+            bucket.next_hold = min(bucket.next_hold * 2, LONGEST_HOLD_SECONDS)
         bucket.hold = bucket.next_hold
         bucket.timing = None
