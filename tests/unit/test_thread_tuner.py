@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -193,3 +194,44 @@ def test_the_settling_is_measured_in_seconds_of_steps() -> None:
     # Seven steps (112 ms) on the new count go untimed, then its block.
     assert used[first : first + 7 + thread_tuner.BLOCK] == [1] * (7 + thread_tuner.BLOCK)
     assert used[first + 7 + thread_tuner.BLOCK] == 2
+
+
+def test_a_new_bucket_starts_on_its_nearest_decided_neighbour_and_holds() -> None:
+    """Only the first bucket is checked at once: the next starts on the
+    nearest decided bucket's count and is checked after a first hold, so a
+    load whose batch moves between buckets does not pay a check per bucket."""
+    tuner = tuner_of(2)
+    run(tuner, [1] * 300, faster_on(1))
+    assert tuner.choices == {1: 1}
+    per_step = 5 * 1e-3  # five rows, one thread
+    held = round(thread_tuner.FIRST_HOLD_SECONDS / per_step)
+    used = run(tuner, [5] * (held + 200), faster_on(1))
+    assert used[: held + 1] == [1] * (held + 1)
+    assert 2 in used[held + 1 :]  # then checked all the same
+    assert tuner.choices == {1: 1, 4: 1}
+    # The nearest decided bucket: batches of 20 follow those of 40, not 1.
+    tuner2 = tuner_of(2)
+    run(tuner2, [1] * 300, faster_on(1))
+    run(tuner2, [40] * 300, faster_on(2))
+    assert tuner2.choices == {1: 1, 32: 2}
+    assert run(tuner2, [20] * 5, faster_on(2)) == [2] * 5
+
+
+def checks_after_the_first(used: list[int], kept: int) -> int:
+    """Checks run after the first, which started on the other count: each
+    moves off ``kept`` once per pair."""
+    moves = sum(a == kept != b for a, b in itertools.pairwise(used))
+    return (moves - (thread_tuner.PAIRS - 1)) // thread_tuner.PAIRS
+
+
+@pytest.mark.parametrize(("share", "checks"), [(0.05, 4), (0.5, 2)])
+def test_a_clear_check_waits_longer_for_the_next(share: float, checks: int) -> None:
+    """Every pair agreeing by several margins grows the hold fourfold, not
+    twofold: fewer checks, each of which runs half its blocks on the slower
+    count."""
+    tuner = tuner_of(2)
+    used = run(tuner, [4] * 15_000, faster_on(1, share=share))  # 4 ms a step: 60 s
+    assert tuner.choices == {4: 1}
+    # After the change, checks at 2, 6, 14 and 30 s (doubling holds) or, if
+    # clear, at 4 and 20 s (a change holds 4 s, then fourfold).
+    assert checks_after_the_first(used, 1) == checks
