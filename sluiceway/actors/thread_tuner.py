@@ -61,9 +61,9 @@ LONGEST_HOLD_SECONDS = 64.0
 #: A check whose pairs all agree, with a median beyond this many margins,
 #: is clear: its hold grows fourfold instead of twofold (a change holds
 #: twice the first hold). Checks cost: on the tiny model at concurrency 16
-#: (2 cores, short benchmark levels) one thread fixed read 0.81 of the bare
-#: loop, the tuner that settled on it 0.73-0.75 with holds doubling from
-#: 2 s, and 0.77-0.80 when holds began at 30 s.
+#: (2 cores, short benchmark levels) one thread fixed read 0.79-0.84 of the
+#: bare loop, and the tuner that settled on it 0.73-0.76 with holds doubling
+#: from 2 s and every new bucket checked at once (see ``_new_bucket``).
 CLEAR = 3
 
 
@@ -168,13 +168,11 @@ class ThreadTuner:
         return bucket
 
     def _new_bucket(self, key: int) -> _Bucket:
-        """The first bucket is checked at its first steady steps. Later ones
-        start on the choice of the nearest bucket a check has decided, and
-        are checked after a first hold: a check costs half its time on the
-        other count, and a load whose batch moves between neighbouring
-        buckets would pay it for each (on the tiny model at concurrency 16,
-        one thread fixed read 0.82 of the bare loop against 0.75-0.77
-        tuned)."""
+        """A bucket met before any check has ended is checked at its first
+        steady steps. Later ones start on the choice of the nearest bucket a
+        check has decided, and are checked after a first hold: a check costs
+        half its time on the other count, and a load whose batch moves
+        between neighbouring buckets would pay it for each."""
         decided = [(abs(other - key), other) for other, b in self._buckets.items() if b.decided]
         if not decided:
             return _Bucket(choice=self._most)
