@@ -58,13 +58,16 @@ MARGIN = 0.03
 #: time.
 FIRST_HOLD_SECONDS = 2.0
 LONGEST_HOLD_SECONDS = 64.0
-#: A check whose pairs all agree, with a median beyond this many margins,
-#: is clear: its hold grows fourfold instead of twofold (a change holds
-#: twice the first hold). Checks cost: on the tiny model at concurrency 16
+#: A check whose pairs are all beyond this many margins, on the same side,
+#: is clear: it ends after EARLY_PAIRS pairs, and its hold grows fourfold
+#: instead of twofold (a change holds twice the first hold). Checks cost: on the tiny model at concurrency 16
 #: (2 cores, short benchmark levels) one thread fixed read 0.79-0.84 of the
 #: bare loop, and the tuner that settled on it 0.73-0.76 with holds doubling
 #: from 2 s and every new bucket checked at once (see ``_new_bucket``).
 CLEAR = 3
+#: Pairs after which a clear check ends (half of its cost: the blocks on
+#: the slower count).
+EARLY_PAIRS = 2
 
 
 @runtime_checkable
@@ -154,7 +157,9 @@ class ThreadTuner:
             return
         bucket.means.append(statistics.fmean(bucket.block))
         bucket.block = []
-        if len(bucket.means) < 2 * PAIRS:
+        timed = len(bucket.means)
+        early = timed == 2 * EARLY_PAIRS and _clear(_ratios(bucket.means))
+        if timed < 2 * PAIRS and not early:
             bucket.timing, bucket.settle = self._other(bucket.timing), self._settle_seconds
         else:
             self._decide(rows, bucket)
@@ -183,15 +188,13 @@ class ThreadTuner:
         return self._most - 1 if count == self._most else self._most
 
     def _decide(self, rows: int, bucket: _Bucket) -> None:
-        means = bucket.means
-        ratios = [other / kept for kept, other in zip(means[::2], means[1::2], strict=True)]
+        ratios = _ratios(bucket.means)
         ratio = statistics.median(ratios)
         wins = sum(r < 1 for r in ratios)
-        # A check that every pair agrees with, by several margins, is
-        # unlikely to be the host's noise: the next one can wait longer.
-        clear = abs(ratio - 1) > CLEAR * MARGIN and wins in (0, PAIRS)
-        growth = 4 if clear else 2
-        if ratio < 1 - MARGIN and wins >= PAIRS - 1:
+        # A clear check is unlikely to be the host's noise: the next one
+        # can wait longer.
+        growth = 4 if _clear(ratios) else 2
+        if ratio < 1 - MARGIN and wins >= len(ratios) - 1:
             other = self._other(bucket.choice)
             logger.info(
                 "engine threads for batches of %d: %d, not %d (%.0f%% of the time per row)",
@@ -207,3 +210,14 @@ class ThreadTuner:
         bucket.hold = bucket.next_hold
         bucket.timing = None
         bucket.decided = True
+
+
+def _ratios(means: list[float]) -> list[float]:
+    """Each pair's time per row on the other count over the count in use."""
+    return [other / kept for kept, other in zip(means[::2], means[1::2], strict=True)]
+
+
+def _clear(ratios: list[float]) -> bool:
+    """Every pair is beyond :data:`CLEAR` margins, on the same side."""
+    bound = CLEAR * MARGIN
+    return all(r < 1 - bound for r in ratios) or all(r > 1 + bound for r in ratios)

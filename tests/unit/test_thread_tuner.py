@@ -217,21 +217,33 @@ def test_a_new_bucket_starts_on_its_nearest_decided_neighbour_and_holds() -> Non
     assert run(tuner2, [20] * 5, faster_on(2)) == [2] * 5
 
 
-def checks_after_the_first(used: list[int], kept: int) -> int:
-    """Checks run after the first, which started on the other count: each
-    moves off ``kept`` once per pair."""
-    moves = sum(a == kept != b for a, b in itertools.pairwise(used))
-    return (moves - (thread_tuner.PAIRS - 1)) // thread_tuner.PAIRS
+def checks_after_the_first(used: list[int], kept: int) -> tuple[int, int]:
+    """Checks that moved off ``kept`` after a hold (a long run on it), and
+    the blocks they ran on the other count."""
+    runs = [(count, len(list(group))) for count, group in itertools.groupby(used)]
+    starts = [i for i in range(1, len(runs)) if runs[i - 1][0] == kept and runs[i - 1][1] > 100]
+    first = starts[0] if starts else len(runs)
+    blocks = sum(1 for count, _ in runs[first:] if count != kept)
+    return len(starts), blocks
 
 
-@pytest.mark.parametrize(("share", "checks"), [(0.05, 4), (0.5, 2)])
-def test_a_clear_check_waits_longer_for_the_next(share: float, checks: int) -> None:
-    """Every pair agreeing by several margins grows the hold fourfold, not
-    twofold: fewer checks, each of which runs half its blocks on the slower
-    count."""
+@pytest.mark.parametrize(("share", "checks", "pairs"), [(0.05, 4, 4), (0.5, 2, 2)])
+def test_a_clear_check_ends_early_and_waits_longer(share: float, checks: int, pairs: int) -> None:
+    """Every pair beyond several margins, on the same side, ends a check
+    after two pairs and grows the hold fourfold, not twofold: fewer and
+    shorter checks, each of which runs half its blocks on the slower count."""
     tuner = tuner_of(2)
     used = run(tuner, [4] * 15_000, faster_on(1, share=share))  # 4 ms a step: 60 s
     assert tuner.choices == {4: 1}
     # After the change, checks at 2, 6, 14 and 30 s (doubling holds) or, if
     # clear, at 4 and 20 s (a change holds 4 s, then fourfold).
-    assert checks_after_the_first(used, 1) == checks
+    assert checks_after_the_first(used, 1) == (checks, checks * pairs)
+
+
+@pytest.mark.parametrize(("share", "pairs"), [(0.05, 4), (0.5, 2)])
+def test_the_first_check_ends_after_two_pairs_when_clear(share: float, pairs: int) -> None:
+    tuner = tuner_of(2)
+    used = run(tuner, [4] * 400, faster_on(1, share=share))  # the first hold is longer
+    assert tuner.choices == {4: 1}
+    # It starts on two threads: one block there per pair.
+    assert [count for count, _ in itertools.groupby(used)].count(2) == pairs
