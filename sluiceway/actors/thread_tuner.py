@@ -60,10 +60,11 @@ FIRST_HOLD_SECONDS = 2.0
 LONGEST_HOLD_SECONDS = 64.0
 #: A check whose pairs are all beyond this many margins, on the same side,
 #: is clear: it ends after EARLY_PAIRS pairs, and its hold grows fourfold
-#: instead of twofold (a change holds twice the first hold). Checks cost: on the tiny model at concurrency 16
-#: (2 cores, short benchmark levels) one thread fixed read 0.79-0.84 of the
-#: bare loop, and the tuner that settled on it 0.73-0.76 with holds doubling
-#: from 2 s and every new bucket checked at once (see ``_new_bucket``).
+#: instead of twofold (a change holds twice the first hold). Checks cost:
+#: on the tiny model at concurrency 16 (2 cores, short benchmark levels)
+#: one thread fixed read 0.79-0.84 of the bare loop, and the tuner that
+#: settled on it 0.73-0.76 with holds doubling from 2 s and every new
+#: bucket checked at once (see ``_new_bucket``).
 CLEAR = 3
 #: Pairs after which a clear check ends (half of its cost: the blocks on
 #: the slower count).
@@ -193,7 +194,7 @@ class ThreadTuner:
         wins = sum(r < 1 for r in ratios)
         # A clear check is unlikely to be the host's noise: the next one
         # can wait longer.
-        growth = 4 if _clear(ratios) else 2
+        clear = _clear(ratios)
         if ratio < 1 - MARGIN and wins >= len(ratios) - 1:
             other = self._other(bucket.choice)
             logger.info(
@@ -204,8 +205,9 @@ class ThreadTuner:
                 ratio * 100,
             )
             bucket.choice = other
-            bucket.next_hold = FIRST_HOLD_SECONDS * (growth // 2)
+            bucket.next_hold = FIRST_HOLD_SECONDS * (2 if clear else 1)
         else:
+            growth = 4 if clear else 2
             bucket.next_hold = min(bucket.next_hold * growth, LONGEST_HOLD_SECONDS)
         bucket.hold = bucket.next_hold
         bucket.timing = None

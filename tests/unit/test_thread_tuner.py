@@ -31,12 +31,12 @@ def faster_on(best: int, share: float = 0.2) -> Cost:
     return lambda rows, threads: 1e-3 * (1 if threads == best else 1 + share)
 
 
-#: The tests below (but the last two) settle for one step after a switch:
-#: any step outlasts this.
+#: Tuners made by ``tuner_of`` settle for one step after a switch: any step
+#: outlasts this. (The tests of the settling itself use the default.)
 ONE_STEP = 1e-9
 SETTLE = 1
-#: Steps one check takes: blocks on each count, a settling step before
-#: every block but the first.
+#: Steps a full check takes (a clear one ends sooner): blocks on each
+#: count, a settling step before every block but the first.
 CHECK = 2 * thread_tuner.PAIRS * (thread_tuner.BLOCK + SETTLE) - SETTLE
 
 
@@ -197,9 +197,10 @@ def test_the_settling_is_measured_in_seconds_of_steps() -> None:
 
 
 def test_a_new_bucket_starts_on_its_nearest_decided_neighbour_and_holds() -> None:
-    """Only the first bucket is checked at once: the next starts on the
-    nearest decided bucket's count and is checked after a first hold, so a
-    load whose batch moves between buckets does not pay a check per bucket."""
+    """Once a check has ended, a new bucket is not checked at once: it
+    starts on the nearest decided bucket's count and is checked after a
+    first hold, so a load whose batch moves between buckets does not pay a
+    check per bucket."""
     tuner = tuner_of(2)
     run(tuner, [1] * 300, faster_on(1))
     assert tuner.choices == {1: 1}
