@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluiceway.actors.sampling import Sampler
+from sluiceway.actors.sampling import CDF_BLOCK, Sampler, invert
 from sluiceway.protocol.messages import LogprobParams, Row, SamplingParams
 
 
@@ -119,6 +121,47 @@ def test_sampling_follows_the_distribution() -> None:
         result = sampler.sample(logits, [row(first=step == 0, temperature=1.0, seed=5)])
         counts[int(result.token_ids[0])] += 1
     assert np.allclose(counts / counts.sum(), [0.5, 0.3, 0.2], atol=0.03)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    vocab=st.sampled_from([1, 2, 5, CDF_BLOCK - 1, CDF_BLOCK, CDF_BLOCK + 1, 3 * CDF_BLOCK + 7]),
+    rows=st.integers(1, 5),
+    zeroed=st.sampled_from([0.0, 0.5, 0.97]),
+    seed=st.integers(0, 10_000),
+    uniforms=st.data(),
+)
+def test_the_drawn_id_is_where_the_draw_falls_in_the_exact_cumulative_sums(
+    vocab: int, rows: int, zeroed: float, seed: int, uniforms: st.DataObject
+) -> None:
+    """The two-level sums of :func:`invert` pick, for every row, an id of
+    positive weight whose span of the exact (rational) cumulative sums holds
+    ``uniform * total``, to within float64 rounding; and a row picks the same
+    id alone as beside other rows."""
+    noise = np.random.default_rng(seed)
+    probs = np.exp(noise.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    probs[noise.random(probs.shape) < zeroed] = 0.0
+    probs[:, noise.integers(vocab)] = 1.0  # a positive total
+    draws = np.array(
+        [
+            uniforms.draw(
+                st.sampled_from([0.0, 0.5, 1 - 2**-53]) | st.floats(0, 1, exclude_max=True)
+            )
+            for _ in range(rows)
+        ]
+    )
+    picked, totals = invert(probs, draws)
+    for row_probs, uniform, id_, total in zip(probs, draws, picked.tolist(), totals, strict=True):
+        weights = [Fraction(float(w)) for w in row_probs]
+        exact = sum(weights, Fraction(0))
+        assert abs(Fraction(float(total)) - exact) <= exact * Fraction(1, 10**12)
+        target = Fraction(float(uniform)) * exact
+        below = sum(weights[:id_], Fraction(0))
+        slack = exact * Fraction(1, 10**12)
+        assert row_probs[id_] > 0
+        assert below - slack <= target <= below + weights[id_] + slack
+        alone, _ = invert(row_probs[None, :], np.array([uniform]))
+        assert int(alone[0]) == id_
 
 
 def test_logit_bias_and_suppression() -> None:
