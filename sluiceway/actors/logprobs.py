@@ -55,7 +55,16 @@ def top_k(row: FloatArray, k: int) -> npt.NDArray[np.int64]:
     """The ``k`` best ids of a row, best first, ties by lower id."""
     if k <= 0:
         return np.empty(0, dtype=np.int64)
-    k = min(k, row.shape[0])
+    width = row.shape[0]
+    k = min(k, width)
+    if width <= _WHOLE_ROW:
+        # One selection over the row itself: its k-th best value, then every
+        # id at or above it (ties included, so the id tie-break holds).
+        kth = row[np.argpartition(row, width - k)[width - k :]].min()
+        if kth == kth:  # NaN sorts last in a selection and would select nothing
+            chosen = np.flatnonzero(row >= kth)
+            ranked = chosen[np.lexsort((chosen, -row[chosen]))[:k]]
+            return ranked.astype(np.int64, copy=False)
     candidates = _candidates(row, k)
     values = row[candidates]
     if candidates.shape[0] > k:

@@ -127,6 +127,23 @@ def test_top_k_equals_a_full_sort(row: np.ndarray, k: int) -> None:
         assert top_k(row, k).tolist() == reference.tolist()
 
 
+@given(
+    row=arrays(
+        np.float32,
+        st.integers(1, 700),
+        elements=st.one_of(
+            st.integers(-3, 3).map(float), st.floats(-30, 30, width=32), st.just(-np.inf)
+        ),
+    ),
+    k=st.integers(1, 25),
+)
+def test_top_k_of_a_short_row_equals_a_full_sort(row: np.ndarray, k: int) -> None:
+    """Rows up to ``_WHOLE_ROW`` ids (a small model's vocabulary) take one
+    selection over the whole row, with the same ties and order."""
+    reference = np.lexsort((np.arange(row.shape[0]), -row))[:k]
+    assert top_k(row, k).tolist() == reference.tolist()
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     rows=arrays(
