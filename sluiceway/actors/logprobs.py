@@ -155,15 +155,23 @@ def reduce_rows(
     logits: FloatArray,
     token_ids: Sequence[int],
     params: Sequence[LogprobParams],
+    *,
+    normalisers: npt.NDArray[np.float32] | None = None,
 ) -> list[TokenLogprob | None]:
-    """Reduce each row that asked; rows that did not get ``None``."""
+    """Reduce each row that asked; rows that did not get ``None``.
+    ``normalisers``: every row's :func:`log_normaliser`, where the caller
+    computed them already (a draw exponentiates the same logits)."""
     asked = [i for i, p in enumerate(params) if p.per_token]
     result: list[TokenLogprob | None] = [None] * len(params)
     if not asked:
         return result
     rows = logits[asked] if len(asked) < len(params) else logits
+    if normalisers is None:
+        normalisers = log_normaliser(rows)
+    elif len(asked) < len(params):
+        normalisers = normalisers[asked]
     # In float64, as Python floats would subtract: the whole step's in two calls.
-    bases = log_normaliser(rows).astype(np.float64)
+    bases = normalisers.astype(np.float64)
     if np.isnan(bases).any():
         rows, bases = _without_nan(rows, bases)
     chosen = [int(token_ids[index]) for index in asked]

@@ -16,6 +16,7 @@ wins.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -491,18 +492,43 @@ def draw_unfiltered(logits: FloatArray, rows: Sequence[int], draws: Sequence[Dra
     were most of a step's picks at batch 16. A row whose total is not a
     positive finite number (NaN, or every logit -inf) is left to :func:`draw`.
     """
-    # A copy (the logits stay as they were), in float32 as ``draw`` computes.
-    x = logits[list(rows)].astype(np.float32, copy=False)
-    x /= np.array([d.temperature for d in draws], dtype=np.float32)[:, None]
-    with np.errstate(invalid="ignore"):  # a row all -inf is NaN here, and goes to ``draw``
-        probs = np.exp(x - x.max(axis=1, keepdims=True))
-    picked, totals = invert(probs, np.array([d.uniform for d in draws]))
-    result: list[int] = picked.tolist()
-    for i in np.flatnonzero(~(np.isfinite(totals) & (totals > 0))).tolist():
-        with np.errstate(invalid="ignore"):
-            row = np.array(logits[rows[i]], copy=True)
-            result[i] = draw(row, draws[i], draws[i].uniform, keep=False)
-    return result
+    return _Group.drawn(logits, rows, draws).picks
+
+
+@dataclass(slots=True)
+class _Group:
+    """Unfiltered rows drawn together, with what their draw computed."""
+
+    picks: list[int]
+    #: Each row's weights, ``exp(x - peak)`` of its tempered logits.
+    weights: FloatArray
+    peaks: FloatArray
+
+    @classmethod
+    def drawn(cls, logits: FloatArray, rows: Sequence[int], draws: Sequence[Draw]) -> _Group:
+        # A copy (the logits stay as they were), in float32 as ``draw`` computes.
+        x = logits[list(rows)].astype(np.float32, copy=False)
+        x /= np.array([d.temperature for d in draws], dtype=np.float32)[:, None]
+        peaks = x.max(axis=1)
+        with np.errstate(invalid="ignore"):  # a row all -inf is NaN here, and goes to ``draw``
+            weights = np.exp(x - peaks[:, None])
+        picked, totals = invert(weights, np.array([d.uniform for d in draws]))
+        picks: list[int] = picked.tolist()
+        for i in np.flatnonzero(~(np.isfinite(totals) & (totals > 0))).tolist():
+            with np.errstate(invalid="ignore"):
+                row = np.array(logits[rows[i]], copy=True)
+                picks[i] = draw(row, draws[i], draws[i].uniform, keep=False)
+        return cls(picks, weights, peaks)
+
+    def normalisers(self, draws: Sequence[Draw]) -> npt.NDArray[np.float32]:
+        """Each row's :func:`~sluiceway.actors.logprobs.log_normaliser`, from
+        the weights already taken: the same float32 operations, for a row
+        whose temperature is 1 (its tempered logits are its logits) and
+        whose peak is finite; NaN for the others."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            normalisers = np.log(self.weights.sum(axis=1)) + self.peaks
+        usable = np.isfinite(self.peaks) & (np.array([d.temperature for d in draws]) == 1.0)
+        return np.where(usable, normalisers, np.float32(np.nan))
 
 
 #: A group of rows drawn together holds at most this many logits (256 KB of
@@ -514,19 +540,26 @@ GROUP_LOGITS = 1 << 16
 
 def _draw_groups(
     logits: FloatArray, picks: npt.NDArray[np.int64], draws: Sequence[tuple[int, Draw]]
-) -> set[int]:
+) -> tuple[set[int], dict[int, float]]:
     """Draw the unfiltered rows that fit in groups (:data:`GROUP_LOGITS`);
-    the rows drawn."""
+    the rows drawn, and the log-normalisers of those that ask for logprobs
+    and whose draw computed it (``_Group.normalisers``)."""
     vocab = logits.shape[-1]
     size = GROUP_LOGITS // max(vocab, 1)
+    normalisers: dict[int, float] = {}
     if size < 2:
-        return set()
+        return set(), normalisers
     unfiltered = [(index, spec) for index, spec in draws if _unfiltered(spec, vocab)]
+    # Shared only from float32 logits: ``reduce_rows`` computes in the logits' dtype.
+    share = logits.dtype == np.float32
     for start in range(0, len(unfiltered), size):
-        group = unfiltered[start : start + size]
-        rows = [index for index, _ in group]
-        picks[rows] = draw_unfiltered(logits, rows, [spec for _, spec in group])
-    return {index for index, _ in unfiltered}
+        rows = [index for index, _ in unfiltered[start : start + size]]
+        specs = [spec for _, spec in unfiltered[start : start + size]]
+        group = _Group.drawn(logits, rows, specs)
+        picks[rows] = group.picks
+        if share and any(spec.top is not None or spec.token_ids for spec in specs):
+            normalisers.update(zip(rows, group.normalisers(specs).tolist(), strict=True))
+    return {index for index, _ in unfiltered}, normalisers
 
 
 def draw_rows(
@@ -538,7 +571,7 @@ def draw_rows(
     none), or None when no row asked. The same arithmetic as
     :meth:`Sampler.sample` and ``reduce_rows``, so the tokens and logprobs
     are the ones the sampler would have made."""
-    grouped = _draw_groups(logits, picks, draws)
+    grouped, normalisers = _draw_groups(logits, picks, draws)
     processed: dict[int, FloatArray] = {}
     scored: list[int] = []
     params: list[LogprobParams] = []
@@ -560,7 +593,13 @@ def draw_rows(
     for local, index in enumerate(scored):
         if index in processed:
             sources[local] = processed[index]
-    reduced = reduce_rows(sources, picks[scored].tolist(), params)
+    known = [normalisers.get(index, math.nan) for index in scored]
+    reduced = reduce_rows(
+        sources,
+        picks[scored].tolist(),
+        params,
+        normalisers=None if any(math.isnan(n) for n in known) else np.array(known, np.float32),
+    )
     result: list[TokenLogprob | None] = [None] * len(picks)
     for index, logprob in zip(scored, reduced, strict=True):
         result[index] = logprob

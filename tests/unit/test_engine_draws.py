@@ -154,6 +154,37 @@ def test_draw_rows_groups_what_fits_and_draws_the_rest_alone(vocab: int) -> None
     assert picks.tolist() == alone
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    temperatures=st.lists(st.sampled_from([1.0, 1.0, 0.7]), min_size=1, max_size=9),
+    vocab=st.sampled_from([3, 40, 1921]),
+    masked=st.sampled_from([0.0, 0.5, 1.0]),
+    seed=st.integers(0, 1000),
+)
+def test_logprobs_of_drawn_rows_reuse_the_draws_normaliser_exactly(
+    temperatures: list[float], vocab: int, masked: float, seed: int
+) -> None:
+    """Rows at temperature 1 whose draw already exponentiated their logits
+    hand that sum to the logprobs: the entries are bit for bit what
+    :func:`reduce_rows` makes from the logits, with rows at another
+    temperature beside them and rows that are partly or wholly -inf."""
+    noise = np.random.default_rng(seed)
+    logits = (noise.standard_normal((len(temperatures), vocab)) * 4).astype(np.float32)
+    logits[noise.random(logits.shape) < masked * 0.9] = -np.inf
+    if masked == 1.0:
+        logits[0] = -np.inf
+    asked = LogprobParams(top=5, token_ids=(0, vocab - 1))
+    draws = [
+        (i, Draw.of(SamplingParams(temperature=t), float(noise.random()), asked))
+        for i, t in enumerate(temperatures)
+    ]
+    picks = logits.argmax(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a row all -inf
+        reduced = draw_rows(logits, picks, draws)
+        expected = reduce_rows(logits, picks.tolist(), [asked] * len(draws))
+    assert reduced == expected
+
+
 def test_a_greedy_row_with_logprobs_is_drawn_without_a_draw() -> None:
     logits = np.array([[0.0, 2.0, 1.0]], dtype=np.float32)
     picks = logits.argmax(axis=-1)
