@@ -5,6 +5,7 @@ from __future__ import annotations
 from unittest import mock
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -106,42 +107,30 @@ def test_ties_break_by_lower_id() -> None:
     assert top_k(np.array([1.0, 2.0, 2.0, 0.0], dtype=np.float32), 3).tolist() == [1, 2, 0]
 
 
+@pytest.mark.parametrize("whole_row", [True, False])
 @settings(max_examples=100, deadline=None)
 @given(
     row=arrays(
         np.float32,
         st.integers(1, 700),
-        # A narrow value range forces many ties, which the block skim must keep.
+        # A narrow value range forces many ties, which either path must keep.
         elements=st.one_of(
             st.integers(-3, 3).map(float), st.floats(-30, 30, width=32), st.just(-np.inf)
         ),
     ),
     k=st.integers(1, 25),
 )
-def test_top_k_equals_a_full_sort(row: np.ndarray, k: int) -> None:
-    """Rows longer than a few blocks take the block-maximum path (which real
-    vocabularies take above ``_WHOLE_ROW`` ids; the bound and the block are
-    shrunk here so that short, quick rows reach it)."""
+def test_top_k_equals_a_full_sort(whole_row: bool, row: np.ndarray, k: int) -> None:
+    """Rows up to ``_WHOLE_ROW`` ids (a small model's vocabulary) take one
+    selection over the whole row; longer ones the block-maximum path (the
+    bound and the block are shrunk here so that short, quick rows reach
+    it). Both keep the ties and the order of a full sort."""
     reference = np.lexsort((np.arange(row.shape[0]), -row))[:k]
+    if whole_row:
+        assert top_k(row, k).tolist() == reference.tolist()
+        return
     with mock.patch.object(logprobs, "_WHOLE_ROW", 0), mock.patch.object(logprobs, "_BLOCK", 4):
         assert top_k(row, k).tolist() == reference.tolist()
-
-
-@given(
-    row=arrays(
-        np.float32,
-        st.integers(1, 700),
-        elements=st.one_of(
-            st.integers(-3, 3).map(float), st.floats(-30, 30, width=32), st.just(-np.inf)
-        ),
-    ),
-    k=st.integers(1, 25),
-)
-def test_top_k_of_a_short_row_equals_a_full_sort(row: np.ndarray, k: int) -> None:
-    """Rows up to ``_WHOLE_ROW`` ids (a small model's vocabulary) take one
-    selection over the whole row, with the same ties and order."""
-    reference = np.lexsort((np.arange(row.shape[0]), -row))[:k]
-    assert top_k(row, k).tolist() == reference.tolist()
 
 
 @settings(max_examples=80, deadline=None)
