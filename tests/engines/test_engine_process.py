@@ -224,12 +224,14 @@ def test_an_engine_that_cannot_start_says_why(tiny_model: ModelSource) -> None:
 
 def test_a_greedy_decode_crosses_the_pipe_as_plain_values() -> None:
     import pickle
+    from dataclasses import replace
 
     import numpy as np
 
     from sluiceway.actors.engine_process import _for_pipe, _GreedyDecode
     from sluiceway.actors.engine_work import PrefillOutcome, StepOutcome
     from sluiceway.engines.base import DecodeResult
+    from sluiceway.protocol.messages import TokenLogprob
 
     logits = np.random.default_rng(0).standard_normal((3, 50)).astype(np.float32)
     outcome = StepOutcome(
@@ -246,6 +248,16 @@ def test_a_greedy_decode_crosses_the_pipe_as_plain_values() -> None:
     assert received.decode_greedy.tolist() == logits.argmax(axis=-1).tolist()
     assert received.decode.logits.shape == (3, 0)
     assert received.prefills == []
+    assert received.decode_logprobs is None
+    # Drawn rows' logprobs come along, None where a row asked for none.
+    scored = [TokenLogprob(-0.25, ((4, -0.25), (1, -2.5)), ((9, -7.0),)), None, TokenLogprob(-1.0)]
+    with_logprobs = replace(outcome, decode_logprobs=scored)
+    sent = _for_pipe(StepPlan(decode={7: 1, 2: 1, 9: 1}, greedy=True), with_logprobs)
+    assert isinstance(sent, _GreedyDecode)
+    received = pickle.loads(pickle.dumps(sent)).outcome()
+    assert received.decode_logprobs == scored
+    assert received.decode_greedy is not None
+    assert received.decode_greedy.tolist() == logits.argmax(axis=-1).tolist()
     # A step that also prefills keeps its shape (zero-width logits), and the
     # outcome left in the child still has its logits for decoding ahead.
     prefilled = PrefillOutcome(logits=logits[:1], greedy=logits[:1].argmax(axis=-1))
