@@ -590,6 +590,8 @@ def draw_rows(
         return None
     # One gather of the rows that asked (a row per call cost ~4 µs at batch 16).
     sources = logits[scored]
+    if processed:  # float32 rows among the logits, promoted as ``np.stack`` would
+        sources = sources.astype(np.result_type(sources.dtype, np.float32), copy=False)
     for local, index in enumerate(scored):
         if index in processed:
             sources[local] = processed[index]

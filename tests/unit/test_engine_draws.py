@@ -306,3 +306,22 @@ def test_the_step_sampler_lends_draws_only_with_the_logprobs_it_would_reduce() -
     assert without[0].logprobs is None
     # A fresh generator seeded alike draws the same first number.
     assert with_logprobs[0].uniform == without[0].uniform
+
+
+def test_a_processed_row_keeps_float32_beside_narrower_logits() -> None:
+    """With ``--logprobs-mode processed`` a row's logprobs come from its
+    sampled distribution, in float32, even where the step's logits are
+    narrower: the rows that asked are gathered and promoted, not cast down."""
+    noise = np.random.default_rng(3)
+    logits = (noise.standard_normal((2, 40)) * 3).astype(np.float16)
+    asked = LogprobParams(top=3)
+    filtered = Draw.of(SamplingParams(temperature=1.3, top_p=0.95), 0.4, asked, processed=True)
+    plain = Draw.of(SamplingParams(temperature=1.0), 0.6, asked)
+    picks = logits.argmax(axis=-1)
+    reduced = draw_rows(logits, picks, [(0, filtered), (1, plain)])
+    x = np.array(logits[0], dtype=np.float32)
+    first = sampling.draw(x, filtered, filtered.uniform, keep=True)
+    with np.errstate(divide="ignore"):
+        expected = reduce_rows(np.stack([x, logits[1]]), [first, int(picks[1])], [asked, asked])
+    assert picks[0] == first
+    assert reduced == expected
