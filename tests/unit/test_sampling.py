@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluiceway.actors.sampling import CDF_BLOCK, Sampler, _nucleus, invert
+from sluiceway.actors.sampling import CDF_BLOCK, Sampler, invert
 from sluiceway.protocol.messages import LogprobParams, Row, SamplingParams
 
 
@@ -162,33 +162,6 @@ def test_the_drawn_id_is_where_the_draw_falls_in_the_exact_cumulative_sums(
         assert below - slack <= target <= below + weights[id_] + slack
         alone, _ = invert(row_probs[None, :], np.array([uniform]))
         assert int(alone[0]) == id_
-
-
-@settings(max_examples=150, deadline=None)
-@given(
-    vocab=st.sampled_from([40, 64, 65, 300, 1920, 3000]),
-    sharpness=st.sampled_from([0.3, 3.0, 12.0]),
-    tied=st.booleans(),
-    top_p=st.floats(0.01, 0.999),
-    seed=st.integers(0, 10_000),
-)
-def test_the_nucleus_is_the_full_sorts(
-    vocab: int, sharpness: float, tied: bool, top_p: float, seed: int
-) -> None:
-    """Whether ``top_p`` is met within the best 64 ids, the best 1,024 or
-    only by the whole row (flat rows), the kept ids are those of a stable
-    sort of the whole row: the same set, ties broken by lower id."""
-    logits = np.random.default_rng(seed).standard_normal(vocab) * sharpness
-    if tied:
-        logits = np.round(logits)
-    probs = np.exp(logits - logits.max()).astype(np.float32)
-    order = np.argsort(-probs, kind="stable")
-    mass = np.cumsum(probs[order], dtype=np.float64)
-    keep = int(np.searchsorted(mass, top_p * probs.sum(dtype=np.float64), side="left")) + 1
-    expected = np.zeros(vocab, dtype=np.float32)
-    expected[order[:keep]] = probs[order[:keep]]
-    _nucleus(probs, top_p)
-    assert np.array_equal(probs, expected)
 
 
 def test_logit_bias_and_suppression() -> None:
