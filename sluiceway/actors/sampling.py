@@ -359,6 +359,7 @@ def draw(x: FloatArray, params: Filters, uniform: float, *, keep: bool) -> int:
     its logits are (:func:`draw_rows`) while the generator stays here."""
     x /= np.float32(params.temperature)
     vocab = x.shape[0]
+    filtered = 0 < params.top_k < vocab or params.min_p > 0.0 or params.top_p < 1.0
     if 0 < params.top_k < vocab:
         kth = np.partition(x, vocab - params.top_k)[vocab - params.top_k]
         x[x < kth] = -np.inf
@@ -372,6 +373,14 @@ def draw(x: FloatArray, params: Filters, uniform: float, *, keep: bool) -> int:
         total = probs.sum(dtype=np.float64)
         with np.errstate(divide="ignore"):
             x[:] = np.log(probs / total)
+    if filtered:
+        # Never drawn in a group, so one running sum, which for a single
+        # short row takes fewer NumPy calls than :func:`invert`'s two levels.
+        cumulative = np.cumsum(probs, dtype=np.float64)
+        index = min(
+            int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right")), vocab - 1
+        )
+        return index if probs[index] > 0 else int(probs.argmax())
     picked, totals = invert(probs[None, :], np.array([uniform]))
     if not (np.isfinite(totals[0]) and totals[0] > 0):  # NaN logits: every weight is NaN
         return int(probs.argmax())
