@@ -359,7 +359,7 @@ def draw(x: FloatArray, params: Filters, uniform: float, *, keep: bool) -> int:
     its logits are (:func:`draw_rows`) while the generator stays here."""
     x /= np.float32(params.temperature)
     vocab = x.shape[0]
-    filtered = 0 < params.top_k < vocab or params.min_p > 0.0 or params.top_p < 1.0
+    filtered = _filtered(params, vocab)
     if 0 < params.top_k < vocab:
         kth = np.partition(x, vocab - params.top_k)[vocab - params.top_k]
         x[x < kth] = -np.inf
@@ -479,14 +479,19 @@ def _nucleus(probs: FloatArray, top_p: float) -> None:
     probs[~mask] = 0.0
 
 
+def _filtered(params: Filters, vocab: int) -> bool:
+    """Whether ``top_k``, ``min_p`` or ``top_p`` shapes a row beside its
+    temperature. Such a row is never drawn in a group, and :func:`draw`
+    inverts its sums in one level; every other row in two, as groups do."""
+    return 0 < params.top_k < vocab or params.min_p > 0.0 or params.top_p < 1.0
+
+
 def _unfiltered(spec: Draw, vocab: int) -> bool:
     """A sampled row that only its temperature shapes, and whose sampled
     distribution nobody reads (not processed logprobs)."""
     return (
         not spec.greedy
-        and not 0 < spec.top_k < vocab
-        and spec.min_p <= 0.0
-        and spec.top_p >= 1.0
+        and not _filtered(spec, vocab)
         and not (spec.processed and spec.logprobs is not None)
     )
 
@@ -562,8 +567,9 @@ def _draw_groups(
     # Shared only from float32 logits: ``reduce_rows`` computes in the logits' dtype.
     share = logits.dtype == np.float32
     for start in range(0, len(unfiltered), size):
-        rows = [index for index, _ in unfiltered[start : start + size]]
-        specs = [spec for _, spec in unfiltered[start : start + size]]
+        chunk = unfiltered[start : start + size]
+        rows = [index for index, _ in chunk]
+        specs = [spec for _, spec in chunk]
         group = _Group.drawn(logits, rows, specs)
         picks[rows] = group.picks
         if share and any(spec.top is not None or spec.token_ids for spec in specs):
