@@ -6,9 +6,11 @@ microsecond of it is a microsecond the engine does not compute. This times
 it alone, warm, for the loads ``bench/serve.py`` runs:
 
 * ``sampled``: temperature 1, no filter, no logprobs (the rows are drawn in
-  groups, ``draw_unfiltered``);
+  groups, ``draw_together``);
 * ``top-5``: the same with ``logprobs: 5`` (the draw, then ``reduce_rows``);
-* ``top-p``: temperature 0.8, top_p 0.9 (drawn row by row);
+* ``top-p``: temperature 0.8, top_p 0.9;
+* ``filters``: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05 (what
+  llama.cpp's clients send);
 
 at batch 1, 16 and 64, for the default model's vocabulary (1,920 ids) and a
 Qwen3-sized one (151,936). Prints the median of ``--repeats`` timings of
@@ -28,10 +30,12 @@ import numpy as np
 
 from sluiceway.actors.sampling import Draw, draw_rows
 
-LOADS = {
-    "sampled": {"temperature": 1.0, "top_p": 1.0, "top": None},
-    "top-5": {"temperature": 1.0, "top_p": 1.0, "top": 5},
-    "top-p": {"temperature": 0.8, "top_p": 0.9, "top": None},
+_PLAIN = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "top": None}
+LOADS: dict[str, dict[str, float | int | None]] = {
+    "sampled": {**_PLAIN, "temperature": 1.0},
+    "top-5": {**_PLAIN, "temperature": 1.0, "top": 5},
+    "top-p": {**_PLAIN, "temperature": 0.8, "top_p": 0.9},
+    "filters": {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "top": None},
 }
 
 
@@ -46,8 +50,8 @@ def time_step(vocab: int, batch: int, load: str, steps: int, repeats: int) -> fl
             Draw(
                 temperature=float(spec["temperature"]),  # type: ignore[arg-type]
                 top_p=float(spec["top_p"]),  # type: ignore[arg-type]
-                top_k=0,
-                min_p=0.0,
+                top_k=int(spec["top_k"]),  # type: ignore[arg-type]
+                min_p=float(spec["min_p"]),  # type: ignore[arg-type]
                 uniform=float(noise.random()),
                 top=spec["top"],  # type: ignore[arg-type]
             ),

@@ -19,11 +19,12 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from sluiceway.actors.cdf import invert
+from sluiceway.actors.filters import Filters, filtered, weights
 from sluiceway.actors.guide import GuideState, RowGuide
 from sluiceway.actors.logprobs import reduce_rows
 from sluiceway.engines.grammar import Bitmask, GrammarEngine, GrammarError, without
@@ -36,10 +37,6 @@ from sluiceway.protocol.messages import (
 )
 
 FloatArray = npt.NDArray[np.float32]
-
-#: top_p is first tried on this many best candidates; a full sort only when
-#: their mass falls short of top_p.
-_TOP_P_CANDIDATES = 1024
 
 
 @dataclass(slots=True)
@@ -55,19 +52,6 @@ class RowState:
 def row_generator(params: SamplingParams, choice: int) -> np.random.Generator:
     entropy = [params.seed, choice] if params.seed is not None else None
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
-
-
-class Filters(Protocol):
-    """What :func:`draw` reads of a row's parameters."""
-
-    @property
-    def temperature(self) -> float: ...
-    @property
-    def top_p(self) -> float: ...
-    @property
-    def top_k(self) -> int: ...
-    @property
-    def min_p(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,165 +340,53 @@ def draw(x: FloatArray, params: Filters, uniform: float, *, keep: bool) -> int:
     ``keep``, left as the log-distribution sampled from.
 
     The draw comes in as a number so that the engine can sample a row where
-    its logits are (:func:`draw_rows`) while the generator stays here."""
+    its logits are (:func:`draw_rows`) while the generator stays here. The
+    arithmetic is a group of one (:func:`draw_together`): a row picks the
+    same id alone as beside others."""
     x /= np.float32(params.temperature)
-    vocab = x.shape[0]
-    filtered = _filtered(params, vocab)
-    if 0 < params.top_k < vocab:
-        kth = np.partition(x, vocab - params.top_k)[vocab - params.top_k]
-        x[x < kth] = -np.inf
-    peak = x.max()
-    probs = np.exp(x - peak)
-    if params.min_p > 0.0:
-        probs[probs < params.min_p] = 0.0  # relative to the peak, whose weight is 1
-    if params.top_p < 1.0:
-        _nucleus(probs, params.top_p)
+    shaped, _ = weights(x[None, :], [params])
     if keep:  # the processed row as a true log-distribution, for --logprobs-mode processed
+        probs = shaped[0]
         total = probs.sum(dtype=np.float64)
         with np.errstate(divide="ignore"):
             x[:] = np.log(probs / total)
-    if filtered:
-        # Never drawn in a group, so one running sum, which for a single
-        # short row takes fewer NumPy calls than :func:`invert`'s two levels.
-        cumulative = np.cumsum(probs, dtype=np.float64)
-        index = min(
-            int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right")), vocab - 1
-        )
-        return index if probs[index] > 0 else int(probs.argmax())
-    picked, totals = invert(probs[None, :], np.array([uniform]))
-    if not (np.isfinite(totals[0]) and totals[0] > 0):  # NaN logits: every weight is NaN
-        return int(probs.argmax())
-    return int(picked[0])
+    return _picks(shaped, np.array([uniform]))[0]
 
 
-#: Width of the blocks :func:`invert` first chooses among.
-CDF_BLOCK = 128
+def _picks(shaped: FloatArray, uniforms: npt.NDArray[np.float64]) -> list[int]:
+    """Where each row's draw falls in its weights; the argmax of a row whose
+    total is not a positive finite number (NaN logits, or every logit -inf)."""
+    picked, totals = invert(shaped, uniforms)
+    picks: list[int] = picked.tolist()
+    for i in np.flatnonzero(~(np.isfinite(totals) & (totals > 0))).tolist():
+        picks[i] = int(shaped[i].argmax())
+    return picks
 
 
-def invert(
-    probs: FloatArray, uniforms: npt.NDArray[np.float64]
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
-    """Per row of weights (``probs``, float32, non-negative), the id where
-    ``uniform * total`` falls in the row's cumulative sums, and the total.
-
-    The sums are taken in two levels, in float64: each block of
-    :data:`CDF_BLOCK` ids is summed, the block sums are added up in order,
-    and only the block the draw lands in is added up id by id. A single
-    running sum over the whole row (what this replaces) cost ~6 ns an id
-    and was most of a sampled step's picks at batch 16. The sums are defined
-    per row, whatever the rows beside it, so a row draws the same id alone
-    (:func:`_invert_row`, fewer calls) as in a group. An id of weight zero
-    is never picked while the total is positive and finite; a row whose
-    total is not is the caller's to handle (its id here is meaningless).
-    """
-    count, width = probs.shape
-    if count == 1:
-        picked, total = _invert_row(probs[0], float(uniforms[0]))
-        return np.array([picked], dtype=np.int64), np.array([total])
-    blocks = -(-width // CDF_BLOCK)
-    weights = _widened(probs, blocks * CDF_BLOCK).reshape(count, blocks, CDF_BLOCK)
-    # Each row's running sums of whole blocks, after a leading zero.
-    ends = np.zeros((count, blocks + 1))
-    np.cumsum(weights.sum(axis=2), axis=1, out=ends[:, 1:])
-    totals = ends[:, -1]
-    targets = uniforms * totals
-    # How many sums are at most the target: ``searchsorted(side="right")``.
-    block = np.minimum((ends[:, 1:] <= targets[:, None]).sum(axis=1), blocks - 1)
-    every = np.arange(count)
-    inner = np.cumsum(weights[every, block], axis=1) + ends[every, block][:, None]
-    offset = np.minimum((inner <= targets[:, None]).sum(axis=1), CDF_BLOCK - 1)
-    picked = block * CDF_BLOCK + offset
-    for row in np.flatnonzero(weights[every, block, offset] <= 0).tolist():
-        picked[row] = _last_positive(probs[row], int(picked[row]))
-    return picked, totals
+def _grouped(spec: Draw) -> bool:
+    """A sampled row whose sampled distribution nobody reads (not processed
+    logprobs, which :func:`draw` leaves in the row)."""
+    return not spec.greedy and not (spec.processed and spec.logprobs is not None)
 
 
-def _invert_row(probs: FloatArray, uniform: float) -> tuple[int, float]:
-    """:func:`invert` of one row: the same sums, in the same order."""
-    blocks = -(-probs.shape[0] // CDF_BLOCK)
-    weights = _widened(probs[None, :], blocks * CDF_BLOCK)[0]
-    ends = np.cumsum(weights.reshape(blocks, CDF_BLOCK).sum(axis=1))
-    total = float(ends[-1])
-    target = uniform * total
-    block = min(int(np.searchsorted(ends, target, side="right")), blocks - 1)
-    start = block * CDF_BLOCK
-    inner = np.cumsum(weights[start : start + CDF_BLOCK]) + (ends[block - 1] if block else 0.0)
-    picked = start + min(int(np.searchsorted(inner, target, side="right")), CDF_BLOCK - 1)
-    if not weights[picked] > 0:
-        picked = _last_positive(probs, picked)
-    return picked, total
+def draw_together(logits: FloatArray, rows: Sequence[int], draws: Sequence[Draw]) -> list[int]:
+    """:func:`draw` of several rows (``_grouped``) at once, each with its own
+    filters and draw; ``logits`` is not touched.
 
-
-def _widened(probs: FloatArray, width: int) -> npt.NDArray[np.float64]:
-    """The rows in float64, zero-padded to ``width`` ids."""
-    if probs.shape[1] == width:
-        return probs.astype(np.float64)
-    wide = np.zeros((probs.shape[0], width))
-    wide[:, : probs.shape[1]] = probs
-    return wide
-
-
-def _last_positive(probs: FloatArray, picked: int) -> int:
-    """Rounding between the two levels, or a draw that rounds up to the
-    total, can leave the target past a block's last running sum, on an id
-    of weight zero (or past the row): the last id of positive weight up to
-    there is taken instead."""
-    positive = np.flatnonzero(probs[: picked + 1] > 0)
-    return int(positive[-1]) if positive.size else 0
-
-
-def _nucleus(probs: FloatArray, top_p: float) -> None:
-    """Zero every weight outside the smallest set whose mass reaches ``top_p``."""
-    total = probs.sum(dtype=np.float64)
-    target = top_p * total
-    count = min(_TOP_P_CANDIDATES, probs.shape[0])
-    candidates = np.argpartition(probs, probs.shape[0] - count)[probs.shape[0] - count :]
-    if probs[candidates].sum(dtype=np.float64) < target:
-        candidates = np.arange(probs.shape[0])
-    order = candidates[np.argsort(-probs[candidates], kind="stable")]
-    mass = np.cumsum(probs[order], dtype=np.float64)
-    keep = int(np.searchsorted(mass, target, side="left")) + 1
-    mask = np.zeros(probs.shape[0], dtype=bool)
-    mask[order[:keep]] = True
-    probs[~mask] = 0.0
-
-
-def _filtered(params: Filters, vocab: int) -> bool:
-    """Whether ``top_k``, ``min_p`` or ``top_p`` shapes a row beside its
-    temperature. Such a row is never drawn in a group, and :func:`draw`
-    inverts its sums in one level; every other row in two, as groups do."""
-    return 0 < params.top_k < vocab or params.min_p > 0.0 or params.top_p < 1.0
-
-
-def _unfiltered(spec: Draw, vocab: int) -> bool:
-    """A sampled row that only its temperature shapes, and whose sampled
-    distribution nobody reads (not processed logprobs)."""
-    return (
-        not spec.greedy
-        and not _filtered(spec, vocab)
-        and not (spec.processed and spec.logprobs is not None)
-    )
-
-
-def draw_unfiltered(logits: FloatArray, rows: Sequence[int], draws: Sequence[Draw]) -> list[int]:
-    """:func:`draw` of several unfiltered rows (``_unfiltered``) at once.
-
-    The same arithmetic, element by element (divide by the temperature, take
-    the peak, exponentiate, add up in float64, find where the draw falls),
-    in a handful of NumPy calls for the group instead of a handful per row:
-    sampled rows with no filter are the common case, and per row those calls
-    were most of a step's picks at batch 16. A row whose total is not a
-    positive finite number (NaN, or every logit -inf) is left to :func:`draw`.
+    The same arithmetic, element by element, in a handful of NumPy calls for
+    the group instead of a handful per row: per row those calls were most
+    of a step's picks at batch 16, and a row with ``top_p`` (the setting
+    clients send most) sorted alone cost ~120 µs of a default-model step.
     """
     return _Group.drawn(logits, rows, draws).picks
 
 
 @dataclass(slots=True)
 class _Group:
-    """Unfiltered rows drawn together, with what their draw computed."""
+    """Rows drawn together, with what their draw computed."""
 
     picks: list[int]
-    #: Each row's weights, ``exp(x - peak)`` of its tempered logits.
+    #: Each row's weights (:func:`~sluiceway.actors.filters.weights`).
     weights: FloatArray
     peaks: FloatArray
 
@@ -523,25 +395,19 @@ class _Group:
         # A copy (the logits stay as they were), in float32 as ``draw`` computes.
         x = logits[list(rows)].astype(np.float32, copy=False)
         x /= np.array([d.temperature for d in draws], dtype=np.float32)[:, None]
-        peaks = x.max(axis=1)
-        with np.errstate(invalid="ignore"):  # a row all -inf is NaN here, and goes to ``draw``
-            weights = np.exp(x - peaks[:, None])
-        picked, totals = invert(weights, np.array([d.uniform for d in draws]))
-        picks: list[int] = picked.tolist()
-        for i in np.flatnonzero(~(np.isfinite(totals) & (totals > 0))).tolist():
-            with np.errstate(invalid="ignore"):
-                row = np.array(logits[rows[i]], copy=True)
-                picks[i] = draw(row, draws[i], draws[i].uniform, keep=False)
-        return cls(picks, weights, peaks)
+        shaped, peaks = weights(x, draws)
+        return cls(_picks(shaped, np.array([d.uniform for d in draws])), shaped, peaks)
 
     def normalisers(self, draws: Sequence[Draw]) -> npt.NDArray[np.float32]:
         """Each row's :func:`~sluiceway.actors.logprobs.log_normaliser`, from
         the weights already taken: the same float32 operations, for a row
-        whose temperature is 1 (its tempered logits are its logits) and
-        whose peak is finite; NaN for the others."""
+        whose temperature is 1 (its tempered logits are its logits), that no
+        filter shaped, and whose peak is finite; NaN for the others."""
         with np.errstate(divide="ignore", invalid="ignore"):
             normalisers = np.log(self.weights.sum(axis=1)) + self.peaks
-        usable = np.isfinite(self.peaks) & (np.array([d.temperature for d in draws]) == 1.0)
+        vocab = self.weights.shape[1]
+        plain = [d.temperature == 1.0 and not filtered(d, vocab) for d in draws]
+        usable = np.isfinite(self.peaks) & np.array(plain, dtype=bool)
         return np.where(usable, normalisers, np.float32(np.nan))
 
 
@@ -555,7 +421,7 @@ GROUP_LOGITS = 1 << 16
 def _draw_groups(
     logits: FloatArray, picks: npt.NDArray[np.int64], draws: Sequence[tuple[int, Draw]]
 ) -> tuple[set[int], dict[int, float]]:
-    """Draw the unfiltered rows that fit in groups (:data:`GROUP_LOGITS`);
+    """Draw the sampled rows that fit in groups (:data:`GROUP_LOGITS`);
     the rows drawn, and the log-normalisers of those that ask for logprobs
     and whose draw computed it (``_Group.normalisers``)."""
     vocab = logits.shape[-1]
@@ -563,18 +429,18 @@ def _draw_groups(
     normalisers: dict[int, float] = {}
     if size < 2:
         return set(), normalisers
-    unfiltered = [(index, spec) for index, spec in draws if _unfiltered(spec, vocab)]
+    together = [(index, spec) for index, spec in draws if _grouped(spec)]
     # Shared only from float32 logits: ``reduce_rows`` computes in the logits' dtype.
     share = logits.dtype == np.float32
-    for start in range(0, len(unfiltered), size):
-        chunk = unfiltered[start : start + size]
+    for start in range(0, len(together), size):
+        chunk = together[start : start + size]
         rows = [index for index, _ in chunk]
         specs = [spec for _, spec in chunk]
         group = _Group.drawn(logits, rows, specs)
         picks[rows] = group.picks
         if share and any(spec.top is not None or spec.token_ids for spec in specs):
             normalisers.update(zip(rows, group.normalisers(specs).tolist(), strict=True))
-    return {index for index, _ in unfiltered}, normalisers
+    return {index for index, _ in together}, normalisers
 
 
 def draw_rows(

@@ -96,42 +96,56 @@ def test_drawn_rows_get_the_samplers_tokens_and_logprobs(
             assert reduced is None
 
 
-@settings(max_examples=80, deadline=None)
+_FILTERS = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.3, 1.0, 1.7, 25.0]),
+    top_p=st.sampled_from([1.0, 1.0, 0.95, 0.5, 0.0]),
+    top_k=st.sampled_from([0, 0, 1, 5, 1921]),
+    min_p=st.sampled_from([0.0, 0.0, 0.05]),
+)
+
+
+@settings(max_examples=120, deadline=None)
 @given(
     vocab=st.sampled_from([1, 2, 17, 40, 1921]),
-    temperatures=st.lists(st.sampled_from([0.3, 1.0, 1.7, 25.0]), min_size=1, max_size=18),
+    params=st.lists(_FILTERS, min_size=1, max_size=18),
     uniforms=st.data(),
     masked=st.sampled_from([0.0, 0.5, 1.0]),
+    tied=st.booleans(),
     seed=st.integers(0, 1000),
 )
-def test_unfiltered_rows_drawn_together_pick_what_each_alone_picks(
+def test_rows_drawn_together_pick_what_each_alone_picks(
     vocab: int,
-    temperatures: list[float],
+    params: list[SamplingParams],
     uniforms: st.DataObject,
     masked: float,
+    tied: bool,
     seed: int,
 ) -> None:
-    """``draw_unfiltered`` takes a step's temperature-only rows in one go:
-    the same id as :func:`sampling.draw` row by row, for any vocabulary width
-    (NumPy's vector loops and their tails), draws at the ends of [0, 1), and
-    rows that constraints or a model left at -inf (a whole row: ``masked``
-    1.0), where ``draw`` decides."""
+    """``draw_together`` takes a step's sampled rows in one go, each with its
+    own filters: the same id as :func:`sampling.draw` row by row, for any
+    vocabulary width (NumPy's vector loops and their tails), draws at the
+    ends of [0, 1), logits with many equal values (``tied``: where ``top_k``
+    and ``top_p`` cut among ties), and rows that constraints or a model left
+    at -inf (a whole row: ``masked`` 1.0)."""
     noise = np.random.default_rng(seed)
-    logits = (noise.standard_normal((len(temperatures), vocab)) * 4).astype(np.float32)
+    logits = (noise.standard_normal((len(params), vocab)) * 4).astype(np.float32)
+    if tied:
+        logits = np.round(logits)
     logits[noise.random(logits.shape) < masked] = -np.inf
     draws = [
         Draw.of(
-            SamplingParams(temperature=t),
+            p,
             uniforms.draw(
                 st.sampled_from([0.0, 0.5, 1 - 2**-53]) | st.floats(0, 1, exclude_max=True)
             ),
         )
-        for t in temperatures
+        for p in params
     ]
     rows = list(range(len(draws)))
     before = logits.copy()
-    together = sampling.draw_unfiltered(logits, rows, draws)
-    with np.errstate(invalid="ignore"):  # ``draw`` on a row all -inf
+    with np.errstate(invalid="ignore"):  # a row all -inf
+        together = sampling.draw_together(logits, rows, draws)
         alone = [
             sampling.draw(logits[i].copy(), d, d.uniform, keep=False) for i, d in enumerate(draws)
         ]
@@ -141,8 +155,8 @@ def test_unfiltered_rows_drawn_together_pick_what_each_alone_picks(
 
 @pytest.mark.parametrize("vocab", [40, 20_000, sampling.GROUP_LOGITS])
 def test_draw_rows_groups_what_fits_and_draws_the_rest_alone(vocab: int) -> None:
-    """Unfiltered rows go in groups of at most ``GROUP_LOGITS`` logits (none
-    when two rows do not fit), filtered rows alone: each row's pick is
+    """Sampled rows go in groups of at most ``GROUP_LOGITS`` logits (none
+    when two rows do not fit), with or without filters: each row's pick is
     :func:`sampling.draw`'s."""
     noise = np.random.default_rng(vocab)
     logits = (noise.standard_normal((8, vocab)) * 4).astype(np.float32)
@@ -156,28 +170,35 @@ def test_draw_rows_groups_what_fits_and_draws_the_rest_alone(vocab: int) -> None
 
 @settings(max_examples=60, deadline=None)
 @given(
-    temperatures=st.lists(st.sampled_from([1.0, 1.0, 0.7]), min_size=1, max_size=9),
+    params=st.lists(
+        st.builds(
+            SamplingParams,
+            temperature=st.sampled_from([1.0, 1.0, 0.7]),
+            top_p=st.sampled_from([1.0, 1.0, 0.5]),
+            top_k=st.sampled_from([0, 0, 3]),
+        ),
+        min_size=1,
+        max_size=9,
+    ),
     vocab=st.sampled_from([3, 40, 1921]),
     masked=st.sampled_from([0.0, 0.5, 1.0]),
     seed=st.integers(0, 1000),
 )
 def test_logprobs_of_drawn_rows_reuse_the_draws_normaliser_exactly(
-    temperatures: list[float], vocab: int, masked: float, seed: int
+    params: list[SamplingParams], vocab: int, masked: float, seed: int
 ) -> None:
     """Rows at temperature 1 whose draw already exponentiated their logits
-    hand that sum to the logprobs: the entries are bit for bit what
-    :func:`reduce_rows` makes from the logits, with rows at another
-    temperature beside them and rows that are partly or wholly -inf."""
+    (and no filter zeroed some of them) hand that sum to the logprobs: the
+    entries are bit for bit what :func:`reduce_rows` makes from the logits,
+    with filtered rows and rows at another temperature beside them, and
+    rows that are partly or wholly -inf."""
     noise = np.random.default_rng(seed)
-    logits = (noise.standard_normal((len(temperatures), vocab)) * 4).astype(np.float32)
+    logits = (noise.standard_normal((len(params), vocab)) * 4).astype(np.float32)
     logits[noise.random(logits.shape) < masked * 0.9] = -np.inf
     if masked == 1.0:
         logits[0] = -np.inf
     asked = LogprobParams(top=5, token_ids=(0, vocab - 1))
-    draws = [
-        (i, Draw.of(SamplingParams(temperature=t), float(noise.random()), asked))
-        for i, t in enumerate(temperatures)
-    ]
+    draws = [(i, Draw.of(p, float(noise.random()), asked)) for i, p in enumerate(params)]
     picks = logits.argmax(axis=-1)
     with np.errstate(divide="ignore", invalid="ignore"):  # a row all -inf
         reduced = draw_rows(logits, picks, draws)

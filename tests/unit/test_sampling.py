@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluiceway.actors.sampling import CDF_BLOCK, Sampler, invert
+from sluiceway.actors.cdf import CDF_BLOCK, invert
+from sluiceway.actors.sampling import Sampler
 from sluiceway.protocol.messages import LogprobParams, Row, SamplingParams
 
 
