@@ -49,10 +49,15 @@ def weights(x: FloatArray, params: Sequence[Filters]) -> tuple[FloatArray, Float
     A row whose peak is not finite (NaN logits, or all -inf) has NaN
     weights; the caller picks its argmax.
     """
-    _top_k(x, [p.top_k for p in params])
+    vocab = x.shape[1]
+    plain = not any(0 < p.top_k < vocab or p.min_p > 0.0 or p.top_p < 1.0 for p in params)
+    if not plain:
+        _top_k(x, [p.top_k for p in params])
     peaks = x.max(axis=1)
     with np.errstate(invalid="ignore"):
         shaped = np.exp(x - peaks[:, None])
+    if plain:  # the usual sampled step: temperature alone
+        return shaped, peaks
     min_ps = [p.min_p for p in params]
     if any(m > 0.0 for m in min_ps):
         shaped[shaped < np.array(min_ps, dtype=np.float32)[:, None]] = 0.0
