@@ -228,6 +228,34 @@ class StepPlan:
     masks: Mapping[int, Bitmask] = field(default_factory=dict)
     draws: Mapping[int, Draw] = field(default_factory=dict)
 
+    def __reduce__(self) -> tuple[Callable[..., StepPlan], tuple[object, ...]]:
+        # A sampled step's plan crosses the engine's pipe with one draw per
+        # row: as plain tuples 16 of them pickle in ~2 µs, against ~13 µs
+        # as named tuples (whose pickling calls Python once each).
+        draws = {slot: tuple(draw) for slot, draw in self.draws.items()}
+        fields = (self.cache_ops, self.frees, self.prefills, self.decode, self.greedy)
+        return (_unpickled_plan, (*fields, self.masks, draws))
+
+
+def _unpickled_plan(
+    cache_ops: tuple[CacheOp, ...],
+    frees: tuple[int, ...],
+    prefills: tuple[PrefillWork, ...],
+    decode: Mapping[int, int],
+    greedy: bool,
+    masks: Mapping[int, Bitmask],
+    draws: Mapping[int, tuple[object, ...]],
+) -> StepPlan:
+    return StepPlan(
+        cache_ops=cache_ops,
+        frees=frees,
+        prefills=prefills,
+        decode=decode,
+        greedy=greedy,
+        masks=masks,
+        draws={slot: Draw._make(values) for slot, values in draws.items()},
+    )
+
 
 @dataclass(slots=True)
 class PrefillOutcome:

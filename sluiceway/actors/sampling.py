@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -54,17 +55,17 @@ def row_generator(params: SamplingParams, choice: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
 
 
-@dataclass(frozen=True, slots=True)
-class Draw:
+class Draw(NamedTuple):
     """How the engine picks an unadjusted row's token itself (``Row.unadjusted``):
     its filters, its one draw from its generator for this step (the generator
     stays with the :class:`Sampler`), and the logprobs to reduce, if any
     (``top``, ``token_ids``), from the raw or (``processed``) the sampled
     distribution.
 
-    Plain values, not the request's ``SamplingParams``: a plan carries one
-    per drawn row and step across the engine's pipe, and these pickle as a
-    tuple (:meth:`__reduce__`), several times faster than nested dataclasses.
+    Plain values in a named tuple, not the request's ``SamplingParams`` nor
+    a dataclass: a plan carries one per drawn row and step across the
+    engine's pipe (as a plain tuple, ``StepPlan.__reduce__``), and the child
+    builds 16 of these in ~3 µs against ~25 µs for frozen dataclasses.
     """
 
     temperature: float
@@ -98,15 +99,6 @@ class Draw:
         if self.top is None and not self.token_ids:
             return None
         return LogprobParams(top=self.top, token_ids=self.token_ids)
-
-    def __reduce__(self) -> tuple[type[Draw], tuple[object, ...]]:
-        return (
-            Draw,
-            (
-                *(self.temperature, self.top_p, self.top_k, self.min_p, self.uniform),
-                *(self.top, self.token_ids, self.processed),
-            ),
-        )
 
 
 @dataclass(slots=True)

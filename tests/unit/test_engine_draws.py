@@ -346,3 +346,40 @@ def test_a_processed_row_keeps_float32_beside_narrower_logits() -> None:
         expected = reduce_rows(np.stack([x, logits[1]]), [first, int(picks[1])], [asked, asked])
     assert picks[0] == first
     assert reduced == expected
+
+
+def test_a_plan_crosses_the_pipe_whole_with_its_draws_as_draws() -> None:
+    """``StepPlan`` pickles its draws as plain tuples (cheaper to read in the
+    engine's child); every field comes back, and each draw is a ``Draw``."""
+    import pickle
+
+    from sluiceway.actors.engine_work import PrefillWork
+    from sluiceway.engines.base import DropKV
+
+    draws = {
+        3: Draw.of(SamplingParams(temperature=0.8, top_p=0.9, top_k=4, min_p=0.1), 0.25),
+        5: Draw.of(
+            SamplingParams(temperature=0.0), 0.0, LogprobParams(top=2, token_ids=(1,)), True
+        ),
+    }
+    plan = StepPlan(
+        cache_ops=(DropKV(entry=1),),
+        frees=(2,),
+        prefills=(
+            PrefillWork(request_id="r", slot=0, tokens=(1, 2), final=True, draws=(draws[3],)),
+        ),
+        decode={3: 11, 5: 12},
+        masks={5: np.array([1, 2], dtype=np.int32)},
+        draws=draws,
+    )
+    received = pickle.loads(pickle.dumps(plan))
+    assert received.draws == draws
+    assert all(type(d) is Draw for d in received.draws.values())
+    assert received.draws[5].logprobs == LogprobParams(top=2, token_ids=(1,))
+    assert (received.cache_ops, received.frees, received.prefills) == (
+        plan.cache_ops,
+        plan.frees,
+        plan.prefills,
+    )
+    assert (received.decode, received.greedy) == (plan.decode, plan.greedy)
+    assert received.masks[5].tolist() == [1, 2]
