@@ -51,7 +51,10 @@ def crossings(
     every = np.arange(count)
     inner = np.cumsum(wide[every, block], axis=1) + ends[every, block][:, None]
     offset = np.minimum(below(inner, targets).sum(axis=1), CDF_BLOCK - 1)
-    return np.minimum(block * CDF_BLOCK + offset, width - 1), totals
+    position = block * CDF_BLOCK + offset
+    if width % CDF_BLOCK:  # not past the row into its padding
+        np.minimum(position, width - 1, out=position)
+    return position, totals
 
 
 def _crossing_row(
@@ -91,7 +94,8 @@ def invert(
             picked[0] = _last_positive(probs[0], int(picked[0]))
         return picked, totals
     every = np.arange(probs.shape[0])
-    for row in np.flatnonzero(~(probs[every, picked] > 0)).tolist():
+    # (A NaN total picks nothing meaningful, and the caller knows it.)
+    for row in np.flatnonzero(probs[every, picked] <= 0).tolist():
         picked[row] = _last_positive(probs[row], int(picked[row]))
     return picked, totals
 
