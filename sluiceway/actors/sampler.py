@@ -47,7 +47,7 @@ class SamplerConfig:
 def sample_step(sampler: Sampler, step: LogitsStep, config: SamplerConfig) -> SampledStep:
     wants = config.forward_logits and any(row.logprobs.per_token for row in step.rows)
     result = sampler.sample(
-        step.logits, step.rows, keep_processed=wants and config.processed_logprobs
+        step.logits, step.rows, keep_processed=wants and config.processed_logprobs, live=step.live
     )
     return SampledStep(
         step=step.step,
@@ -125,10 +125,16 @@ class StepSampler:
                 await _prepare_masks(self, self._start())
         return sampler.allowed(rows)
 
-    async def take(self, rows: Sequence[Row], token_ids: Sequence[int]) -> ConstraintReport | None:
-        """Advance the guides of a greedy step's rows by the engine's tokens."""
+    async def take(
+        self,
+        rows: Sequence[Row],
+        token_ids: Sequence[int],
+        live: Collection[tuple[str, int]] = (),
+    ) -> ConstraintReport | None:
+        """Advance the guides of a greedy step's rows by the engine's tokens
+        (``live``: the keys of the other running choices)."""
         await self.settle()
-        return self.sampler.take(rows, token_ids)
+        return self.sampler.take(rows, token_ids, live)
 
     def hold(self, keys: frozenset[tuple[str, int]]) -> None:
         """Keep the state of these choices while they are out of the batch."""

@@ -128,9 +128,11 @@ class Sampler:
         rows: Sequence[Row],
         *,
         keep_processed: bool = False,
+        live: Collection[tuple[str, int]] = (),
     ) -> SampleResult:
-        """Pick one token per row."""
-        states = self._sync_states(rows)
+        """Pick one token per row (``live``: the keys of the other running
+        choices, whose state stays; see :meth:`_sync_states`)."""
+        states = self._sync_states(rows, live)
         plain = all(
             r.sampling.greedy and not _adjusts(r.sampling) and not r.suppress and s.guide is None
             for r, s in zip(rows, states, strict=True)
@@ -160,8 +162,9 @@ class Sampler:
 
     def uniforms(self, live: Collection[tuple[str, int]], drawn: Sequence[Row]) -> list[float]:
         """This step's draw of each of ``drawn`` from its generator (``live``:
-        the keys of every row the step decodes): 0.0 for a greedy row, which
-        draws nothing. Exactly one number per sampled row and step, as
+        the keys of every running choice, decoded in this step or not): 0.0
+        for a greedy row, which draws nothing. Exactly one number per sampled
+        row and step, as
         :meth:`sample` takes, so a seeded choice gives the same tokens
         whether the engine or this sampler picks them."""
         self._forget(live)
@@ -170,14 +173,19 @@ class Sampler:
             0.0 if r.sampling.greedy else s.rng.random() for r, s in zip(drawn, states, strict=True)
         ]
 
-    def take(self, rows: Sequence[Row], token_ids: Sequence[int]) -> ConstraintReport | None:
+    def take(
+        self,
+        rows: Sequence[Row],
+        token_ids: Sequence[int],
+        live: Collection[tuple[str, int]] = (),
+    ) -> ConstraintReport | None:
         """Take the tokens the engine picked in a greedy step (each guided
         row's among what :meth:`allowed` gave it): advance the guides.
 
         No counts are recorded: only penalties read them, and a row with
         penalties never takes a greedy step.
         """
-        states = self._sync_states(rows)
+        states = self._sync_states(rows, live)
         return _advance_guides(states, np.asarray(token_ids, dtype=np.int64))
 
     def allowed(self, rows: Sequence[Row]) -> list[Bitmask] | None:
@@ -225,13 +233,21 @@ class Sampler:
             for state in self._states.values()
         )
 
-    def _sync_states(self, rows: Sequence[Row]) -> list[RowState]:
-        self._forget({row.key for row in rows})
+    def _sync_states(
+        self, rows: Sequence[Row], live: Collection[tuple[str, int]]
+    ) -> list[RowState]:
+        """The rows' states, after forgetting every choice that is neither
+        among them nor in ``live``. A running choice can be missing from a
+        step (its first token drawn in a step whose outcome is not back
+        yet), so the caller names every running one: forgetting such a
+        choice would restart its seeded stream."""
+        self._forget({row.key for row in rows}.union(live))
         return self._states_of(rows)
 
     def _forget(self, live: Collection[tuple[str, int]]) -> None:
-        # Every running row is in every step, so a row missing from this step
-        # has finished and its state can go, unless it is only paused.
+        # The scheduler names every running choice (those out of this step
+        # included), so any other has finished and its state can go, unless
+        # it is only paused.
         held = self.held
         for key in [key for key in self._states if key not in live and key not in held]:
             del self._states[key]

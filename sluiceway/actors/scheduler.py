@@ -130,8 +130,14 @@ class Guides(Protocol):
         """Each row's mask for its next token (None: not every row has one)."""
         ...
 
-    async def take(self, rows: Sequence[Row], token_ids: Sequence[int]) -> ConstraintReport | None:
-        """Advance the rows' grammars by the tokens the engine picked."""
+    async def take(
+        self,
+        rows: Sequence[Row],
+        token_ids: Sequence[int],
+        live: Collection[tuple[str, int]] = (),
+    ) -> ConstraintReport | None:
+        """Advance the rows' grammars by the tokens the engine picked
+        (``live``: the keys of every other running choice)."""
         ...
 
     def hold(self, keys: frozenset[tuple[str, int]]) -> None:
@@ -549,8 +555,7 @@ class Scheduler:
         # Only now, for a step the engine picks the tokens of: a row takes
         # one draw per step, and a sampled step draws in the sampler.
         first = [row for rows in starting.values() for row in rows]
-        live = {c.key for c in self._rows.values() if c.generated > 0}
-        live.update(row.key for row in first)
+        live = self._running_keys()
         draws = iter(await self._guides.draws(live, [row for _, row in drawn] + first))
         by_slot = {choice.slot: next(draws) for choice, _ in drawn}
         prefills = tuple(
@@ -691,6 +696,16 @@ class Scheduler:
                     "request %s stalled: its client stopped reading", request.spec.request_id
                 )
                 self._fail(request, "the client stopped reading", FailureCause.STALLED)
+
+    def _running_keys(self) -> set[tuple[str, int]]:
+        """The sampler's keys of every running choice, those this step does
+        not decode included: a request whose final chunk was planned has
+        drawn its first tokens, and until that step is back its choices
+        are not rows yet. The sampler forgets any other key, and forgetting
+        one of these would restart its seeded stream."""
+        keys = {c.key for c in self._rows.values()}
+        keys.update((r.spec.request_id, i) for r in self._prefilling for i in range(r.spec.n))
+        return keys
 
     def _hold_paused(self) -> None:
         """Tell the sampler which choices are out of the batch: it forgets
@@ -942,6 +957,7 @@ class Scheduler:
             step=self._step,
             rows=tuple(self._row(c) for c in rows.choices),
             logits=rows.logits(),
+            live=frozenset(self._running_keys()),
         )
         sampled = self._sample_inline(step) if self._sample_inline is not None else None
         if sampled is None:
@@ -960,7 +976,8 @@ class Scheduler:
         if self._guides is not None and any(
             c.request.spec.constraint is not None for c in batch.choices
         ):
-            report = await self._guides.take([self._row(c) for c in batch.choices], tokens)
+            choices = [self._row(c) for c in batch.choices]
+            report = await self._guides.take(choices, tokens, self._running_keys())
         if report is not None:
             self._fail_constrained(batch.choices, report)
         return self._decide(batch.choices, tokens, batch.scores, report)

@@ -203,11 +203,14 @@ def is_unadjusted(sampling: SamplingParams, constraint: Constraint | None) -> bo
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LogitsStep:
-    """One engine step's last-position logits, a row per :class:`Row`."""
+    """One engine step's last-position logits, a row per :class:`Row`;
+    ``live``: the keys (``Row.key``) of every choice running beside them,
+    whose sampler state must stay."""
 
     step: int
     rows: tuple[Row, ...]
     logits: Array
+    live: frozenset[tuple[str, int]] = frozenset()
 
 
 class TokenLogprob(NamedTuple):

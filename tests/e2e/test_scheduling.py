@@ -72,6 +72,22 @@ def test_output_does_not_depend_on_the_batch(server: RunningServer) -> None:
     assert together[3] == alone_seeded
 
 
+@pytest.mark.parametrize("sampling", [{}, {"top_p": 0.9, "top_k": 50}])
+def test_seeded_requests_started_together_read_as_they_do_alone(
+    server: RunningServer, sampling: dict[str, Any]
+) -> None:
+    """Seeded requests admitted while others decode: each one's first token
+    is drawn in a step that is still in flight when the next is planned,
+    and its seeded stream must go on from there, not start over."""
+    seeded = [
+        body(server, f"Sing {i}", max_tokens=16, temperature=1.0, seed=10 + i, **sampling)
+        for i in range(6)
+    ]
+    alone = [reply_text(server, payload) for payload in seeded]
+    together = anyio.run(concurrently, server, seeded)
+    assert together == alone
+
+
 def test_n_choices_stream_with_their_indices(server: RunningServer) -> None:
     payload = body(server, max_tokens=8, n=3, temperature=1.0, seed=5, stream=True)
     with httpx.Client(timeout=120) as client:

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sluiceway.actors import sampling
 from sluiceway.actors.cdf import CDF_BLOCK, invert
 from sluiceway.actors.sampling import Sampler
 from sluiceway.protocol.messages import LogprobParams, Row, SamplingParams
@@ -60,6 +61,35 @@ def test_seeded_rows_reproduce_and_ignore_their_batch() -> None:
     assert draw_sequence(params, 20) == alone
     assert draw_sequence(params, 20, companions=3) == alone
     assert draw_sequence({**params, "seed": 43}, 20) != alone
+
+
+@pytest.mark.parametrize("side", ["sampler", "engine"])
+def test_a_running_choice_missing_from_a_step_keeps_its_stream(side: str) -> None:
+    """Choice "b" draws its first token, sits out a step (its first token
+    still in flight) while "a" goes on, then comes back: named in ``live``,
+    it goes on with its stream where it was, as if it had been alone."""
+    logits = logits_for(1, vocab=1000)
+    params: dict[str, object] = {"temperature": 1.0, "seed": 3}
+
+    def step(sampler: Sampler, rows: list[Row], live: set[tuple[str, int]]) -> list[int]:
+        if side == "sampler":
+            picked = sampler.sample(np.repeat(logits, len(rows), axis=0), rows, live=live)
+            return [int(t) for t in picked.token_ids]
+        draws = sampler.uniforms(live | {r.key for r in rows}, rows)
+        return [
+            sampling.draw(logits[0].copy(), r.sampling, u, keep=False)
+            for r, u in zip(rows, draws, strict=True)
+        ]
+
+    alone = Sampler()
+    expected = [step(alone, [row("b", first=i == 0, **params)], set())[0] for i in range(2)]
+    together = Sampler()
+    first = step(together, [row("a", **params), row("b", **params)], set())[1]
+    step(together, [row("a", first=False, **params)], {("b", 0)})
+    second = step(
+        together, [row("a", first=False, **params), row("b", first=False, **params)], set()
+    )[1]
+    assert [first, second] == expected
 
 
 def test_choices_of_one_seeded_request_differ() -> None:
