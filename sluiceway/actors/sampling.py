@@ -144,6 +144,7 @@ class Sampler:
         self.prepare_masks()
         processed = np.array(logits, dtype=np.float32, copy=True)
         token_ids = np.empty(len(rows), dtype=np.int64)
+        together: list[tuple[int, Draw]] = []
         for i, (row, state) in enumerate(zip(rows, states, strict=True)):
             x = processed[i]
             if state.guide is not None:
@@ -153,8 +154,12 @@ class Sampler:
                 _suppress(x, row.suppress, guided=state.guide is not None)
             if row.sampling.greedy:
                 token_ids[i] = int(x.argmax())
+            elif keep_processed:  # ``draw`` leaves the row as the distribution sampled
+                token_ids[i] = draw(x, row.sampling, state.rng.random(), keep=True)
             else:
-                token_ids[i] = draw(x, row.sampling, state.rng.random(), keep=keep_processed)
+                together.append((i, Draw.of(row.sampling, state.rng.random())))
+        if together:  # the engine's groups (the same picks as ``draw`` row by row)
+            draw_rows(processed, token_ids, together)
         self._record(states, token_ids)
         return SampleResult(
             token_ids, processed if keep_processed else None, _advance_guides(states, token_ids)
