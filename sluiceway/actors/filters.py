@@ -50,7 +50,7 @@ def weights(x: FloatArray, params: Sequence[Filters]) -> tuple[FloatArray, Float
     weights; the caller picks its argmax.
     """
     vocab = x.shape[1]
-    plain = not any(0 < p.top_k < vocab or p.min_p > 0.0 or p.top_p < 1.0 for p in params)
+    plain = not any(filtered(p, vocab) for p in params)
     if not plain:
         _top_k(x, [p.top_k for p in params])
     peaks = x.max(axis=1)
