@@ -136,10 +136,6 @@ class StepSampler:
         await self.settle()
         return self.sampler.take(rows, token_ids, live)
 
-    def hold(self, keys: frozenset[tuple[str, int]]) -> None:
-        """Keep the state of these choices while they are out of the batch."""
-        self.sampler.held = keys
-
     async def draws(self, live: Collection[tuple[str, int]], drawn: Sequence[Row]) -> list[Draw]:
         """How the engine is to pick each of ``drawn`` (unadjusted rows of a
         step whose tokens it picks; ``live``: the keys of all the step

@@ -113,10 +113,6 @@ class Sampler:
 
     def __init__(self, grammars: GrammarEngine | None = None) -> None:
         self._states: dict[tuple[str, int], RowState] = {}
-        #: Choices out of the batch for a while (paused for a slow reader,
-        #: or being prefilled back): their seeded stream, penalty counts and
-        #: walk through their grammar must survive their absence from steps.
-        self.held: frozenset[tuple[str, int]] = frozenset()
         self._grammars = grammars
 
     def __len__(self) -> int:
@@ -169,9 +165,8 @@ class Sampler:
         """This step's draw of each of ``drawn`` from its generator (``live``:
         the keys of every running choice, decoded in this step or not): 0.0
         for a greedy row, which draws nothing. Exactly one number per sampled
-        row and step, as
-        :meth:`sample` takes, so a seeded choice gives the same tokens
-        whether the engine or this sampler picks them."""
+        row and step, as :meth:`sample` takes, so a seeded choice gives the
+        same tokens whether the engine or this sampler picks them."""
         self._forget(live)
         states = self._states_of(drawn)
         return [
@@ -251,10 +246,9 @@ class Sampler:
 
     def _forget(self, live: Collection[tuple[str, int]]) -> None:
         # The scheduler names every running choice (those out of this step
-        # included), so any other has finished and its state can go, unless
-        # it is only paused.
-        held = self.held
-        for key in [key for key in self._states if key not in live and key not in held]:
+        # included: paused, being prefilled back, first token in flight), so
+        # any other has finished and its state can go.
+        for key in [key for key in self._states if key not in live]:
             del self._states[key]
 
     def _states_of(self, rows: Sequence[Row]) -> list[RowState]:

@@ -140,11 +140,6 @@ class Guides(Protocol):
         (``live``: the keys of every other running choice)."""
         ...
 
-    def hold(self, keys: frozenset[tuple[str, int]]) -> None:
-        """Keep the sampling state of these choices (paused) although they
-        are missing from the steps."""
-        ...
-
     async def draws(self, live: Collection[tuple[str, int]], drawn: Sequence[Row]) -> list[Draw]:
         """How the engine picks each of ``drawn`` this step (``live``: the
         keys of every row the step decodes); each sampled row takes its draw
@@ -345,8 +340,6 @@ class Scheduler:
         self._rows: dict[int, _Choice] = {}
         #: Choices out of the batch because their reader fell behind.
         self._paused: list[_Choice] = []
-        #: The paused choices the sampler was last told to keep the state of.
-        self._held: frozenset[tuple[str, int]] = frozenset()
         #: Masks of free rows before ``min_tokens``, by the ids they suppress.
         self._suppress_masks: dict[tuple[int, ...], Bitmask] = {}
         self._restoring: dict[int, _Restore] = {}
@@ -627,7 +620,6 @@ class Scheduler:
             prefills.append(work)
         restores = self._plan_restores(budget)
         budget -= sum(len(work.tokens) for work in restores)
-        self._hold_paused()
         prefills += restores
         while budget > 0 and self._can_admit():
             request = self._admit(self._waiting.popleft())
@@ -699,25 +691,20 @@ class Scheduler:
 
     def _running_keys(self) -> set[tuple[str, int]]:
         """The sampler's keys of every running choice, those this step does
-        not decode included: a request whose final chunk was planned has
-        drawn its first tokens, and until that step is back its choices
-        are not rows yet. The sampler forgets any other key, and forgetting
-        one of these would restart its seeded stream."""
+        not decode included. The sampler forgets any other key, and
+        forgetting one of these would restart its seeded stream (and its
+        penalty counts and grammar walk):
+
+        - a request whose final chunk was planned has drawn its first
+          tokens, and until that step is back its choices are not rows yet;
+        - a paused choice, or one being prefilled back, must come back
+          where it was.
+        """
         keys = {c.key for c in self._rows.values()}
         keys.update((r.spec.request_id, i) for r in self._prefilling for i in range(r.spec.n))
+        keys.update(c.key for c in self._paused)
+        keys.update(restore.choice.key for restore in self._restoring.values())
         return keys
-
-    def _hold_paused(self) -> None:
-        """Tell the sampler which choices are out of the batch: it forgets
-        a row missing from a step, and a paused one must come back with its
-        seeded stream and its grammar where they were."""
-        if self._guides is None or not (self._paused or self._restoring or self._held):
-            return
-        out = [*self._paused, *(restore.choice for restore in self._restoring.values())]
-        held = frozenset((c.request.spec.request_id, c.index) for c in out)
-        if held != self._held:
-            self._held = held
-            self._guides.hold(held)
 
     def _stalled(self, request: _Request) -> bool:
         timeout = self._config.stall_timeout
