@@ -70,6 +70,8 @@ class ServerRun:
     paired_step: dict[int, float] = field(default_factory=dict)
     #: Decode ÷ bare of every paired round, in the order they ran.
     paired_ratios: dict[int, list[float]] = field(default_factory=dict)
+    #: The same over each request's middle half (``Level.middle_throughput``).
+    paired_middle: dict[int, list[float]] = field(default_factory=dict)
     #: The bare engine's tokens/s and step around each paired round.
     round_bare: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
     #: Tokens/s of every round at each concurrency, in the order they ran.
@@ -109,6 +111,13 @@ def ms(seconds: float) -> str:
 
 def verdict(ok: bool) -> str:
     return "**met**" if ok else "**missed**"
+
+
+def rounds_of(paired: dict[int, list[float]]) -> str:
+    return "; ".join(
+        f"c={c}: {', '.join(f'{r:.3f}' for r in ratios)}{spread(ratios)}"
+        for c, ratios in paired.items()
+    )
 
 
 def spread(ratios: Sequence[float]) -> str:
@@ -151,11 +160,13 @@ def section_table(section: Section, settings: Settings) -> list[str]:
     lines.append("")
     for run in section.runs:
         if any(len(ratios) > 1 for ratios in run.paired_ratios.values()):
-            rounds = "; ".join(
-                f"c={c}: {', '.join(f'{r:.3f}' for r in ratios)}{spread(ratios)}"
-                for c, ratios in run.paired_ratios.items()
+            lines.append(
+                f"- {run.server}, decode ÷ bare of each paired round: {rounds_of(run.paired_ratios)}"
             )
-            lines.append(f"- {run.server}, decode ÷ bare of each paired round: {rounds}")
+            lines.append(
+                f"- {run.server}, the same over each request's middle half "
+                f"(the wave's edges left out): {rounds_of(run.paired_middle)}"
+            )
         if run.note or run.failure:
             lines.append(f"- {run.server}: {run.failure or ''} {run.note}".rstrip())
         errors = [e for level in run.levels for e in level.first_errors()]

@@ -437,10 +437,12 @@ def measure_turn(
         rate, step = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
         key = measured[0].decode_throughput / rate
         run.paired_ratios.setdefault(concurrency, []).append(key)
+        middle = measured[0].middle_throughput / rate
+        run.paired_middle.setdefault(concurrency, []).append(middle)
         run.round_bare.setdefault(concurrency, []).append((rate, step))
         print(
             f"  {'bare engine':>18} c={concurrency:<3} {before[0]:8.1f} tok/s before, "
-            f"{after[0]:.1f} after: decode ÷ bare {key:.3f}",
+            f"{after[0]:.1f} after: decode ÷ bare {key:.3f} (middle half {middle:.3f})",
             flush=True,
         )
     run.round_throughput.setdefault(concurrency, []).append(measured[0].throughput)

@@ -12,6 +12,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 
 from loadgen import Level, Target, run_level
@@ -205,3 +207,25 @@ def test_stagger_spreads_the_clients_and_keeps_their_offsets() -> None:
     unstaggered, _ = asyncio.run(_serve(quick, requests=1, concurrency=4))
     sent = [s.sent for s in unstaggered.samples]
     assert max(sent) - min(sent) < 0.15
+
+
+def test_the_middle_rate_leaves_out_each_streams_edges() -> None:
+    """Two streams of 16 chunks at 10 ms a chunk, each with a 500 ms stall in
+    its first quarter and another in its last (a wave's edges): the decode
+    rate counts the stalls, the middle half's rate does not."""
+    from loadgen import Sample
+
+    def stream(tokens_per_chunk: int) -> Sample:
+        gaps = [0.01] * 15
+        gaps[1] = gaps[13] = 0.5
+        arrivals = list(itertools.accumulate(gaps, initial=1.0))
+        return Sample(sent=0.9, arrivals=arrivals, usage_tokens=16 * tokens_per_chunk)
+
+    level = Level(2, (stream(1), stream(1)), wall=2.0)
+    assert level.middle_throughput == pytest.approx(2 / 0.01)
+    assert level.decode_throughput == pytest.approx(2 / (1.13 / 15))
+    # Chunks of 4 tokens (--stream-interval 4): 4 tokens every 10 ms.
+    assert Level(2, (stream(4), stream(4)), wall=2.0).middle_throughput == pytest.approx(800)
+    # Streams too short to have a middle count for nothing.
+    short = Sample(sent=0.0, arrivals=[0.1, 0.2, 0.3])
+    assert Level(1, (short,), wall=1.0).middle_throughput == 0.0
