@@ -5,6 +5,14 @@
 * ``mlx``: the mlx-lm model with its per-layer ``KVCache`` list, argmax in mlx,
   evaluated every step.
 
+With ``--sample`` each step samples its next tokens at temperature 1 instead
+of taking the argmax: the loop a sampled load is compared with, so that the
+ratio leaves out the draw every sampling engine makes. In torch, one uniform
+a row inverted on the softmax's cumulative sums (the server's method; on the
+tiny model it costs the step 0-60 µs, where ``torch.multinomial`` or an
+exponential race cost ~800 µs at batch 16, most of it torch's random
+numbers); in mlx, ``mx.random.categorical`` (mlx-lm's sampler).
+
 For each batch size it prefills ``batch`` random prompts of ``--prompt``
 tokens (untimed), then times ``--tokens`` decode steps, so the steps cover the
 same positions as a served request with that prompt and ``max_tokens``. It
@@ -42,7 +50,7 @@ def rows(batch: int, prompt: int, vocab: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(0, min(vocab, 500), prompt)] for _ in range(batch)]
 
 
-def torch_loop(model_dir: str) -> Callable[[int, int], Step]:
+def torch_loop(model_dir: str, sample: bool) -> Callable[[int, int], Step]:
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -56,24 +64,33 @@ def torch_loop(model_dir: str) -> Callable[[int, int], Step]:
     model.eval()
     vocab = int(model.config.vocab_size)
     keyword = cache_keyword(model)
+    generator = torch.Generator().manual_seed(7)
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        if sample:  # one uniform a row, inverted on the cumulative sums (as the server draws)
+            cumulative = torch.softmax(logits, -1).cumsum(-1)
+            uniforms = torch.rand(logits.shape[0], 1, generator=generator) * cumulative[:, -1:]
+            picks = torch.searchsorted(cumulative, uniforms, right=True)
+            return picks.clamp_(max=logits.shape[-1] - 1)
+        return logits.argmax(-1, keepdim=True)
 
     def start(batch: int, prompt: int) -> Step:
         cache = DynamicCache(config=model.config)
         with torch.inference_mode():
             out = model(input_ids=torch.tensor(rows(batch, prompt, vocab)), **{keyword: cache})
-        state = {"next": out.logits[:, -1].argmax(-1, keepdim=True)}
+        state = {"next": pick(out.logits[:, -1])}
 
         def step() -> None:
             with torch.inference_mode():
                 logits = model(input_ids=state["next"], **{keyword: cache}).logits
-                state["next"] = logits[:, -1].argmax(-1, keepdim=True)
+                state["next"] = pick(logits[:, -1])
 
         return step
 
     return start
 
 
-def mlx_loop(model_dir: str) -> Callable[[int, int], Step]:
+def mlx_loop(model_dir: str, sample: bool) -> Callable[[int, int], Step]:
     from pathlib import Path
 
     import mlx.core as mx
@@ -82,16 +99,22 @@ def mlx_loop(model_dir: str) -> Callable[[int, int], Step]:
 
     model, config = load_model(Path(model_dir))
     vocab = int(config["vocab_size"])
+    mx.random.seed(7)
+
+    def pick(logits: mx.array) -> mx.array:
+        if sample:
+            return mx.random.categorical(logits)[:, None]
+        return mx.argmax(logits, axis=-1)[:, None]
 
     def start(batch: int, prompt: int) -> Step:
         cache = make_prompt_cache(model)
         logits = model(mx.array(rows(batch, prompt, vocab)), cache=cache)
-        state = {"next": mx.argmax(logits[:, -1, :], axis=-1)[:, None]}
+        state = {"next": pick(logits[:, -1, :])}
         mx.eval(state["next"])
 
         def step() -> None:
             logits = model(state["next"], cache=cache)
-            state["next"] = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
+            state["next"] = pick(logits[:, -1, :])
             mx.eval(state["next"])
 
         return step
@@ -107,13 +130,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128, help="timed decode steps")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--sample", action="store_true", help="sample at temperature 1")
     parser.add_argument(
         "--stdin",
         action="store_true",
         help="after the batches, measure each batch size read from stdin (one per line)",
     )
     args = parser.parse_args(argv)
-    start = (torch_loop if args.engine == "transformers" else mlx_loop)(args.model)
+    start = (torch_loop if args.engine == "transformers" else mlx_loop)(args.model, args.sample)
     start(1, 8)()  # warm-up: first calls allocate and pick kernels
 
     def measure(batch: int, repeats: int) -> None:

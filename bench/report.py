@@ -44,6 +44,9 @@ class Settings:
     #: Spread the clients' starts over this many seconds (``--stagger``;
     #: ``loadgen.run_level``).
     stagger: float = 0.0
+    #: The bare loop samples at temperature 1 instead of taking the argmax
+    #: (``--bare-samples``; ``bench/bare.py --sample``).
+    bare_samples: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +135,8 @@ def section_table(section: Section, settings: Settings) -> list[str]:
     lines = [f"### {section.engine} engine, {section.model.key} model ({section.model.label})", ""]
     if section.bare:
         cells = ", ".join(f"batch {b}: **{r:.1f}** tok/s" for b, r in section.bare.items())
-        lines += [f"Bare engine (plain decode loop, no server): {cells}.", ""]
+        how = "sampling at temperature 1" if settings.bare_samples else "argmax"
+        lines += [f"Bare engine (plain decode loop, {how}, no server): {cells}.", ""]
     elif section.bare_failure:
         lines += [f"Bare engine failed: `{section.bare_failure[-200:]}`", ""]
     lines += [

@@ -200,7 +200,8 @@ def server_command(
 
 
 #: ``--load``: the request bodies beside greedy. The bare engine stays a greedy
-#: argmax loop, so decode ÷ bare then includes sampling (and the logprobs).
+#: argmax loop unless ``--bare-samples``, so decode ÷ bare then includes
+#: sampling (and the logprobs).
 LOADS: dict[str, dict[str, object]] = {
     "greedy": {},
     "sampled": {"temperature": 1.0, "seed": 7},
@@ -247,6 +248,7 @@ class BareEngine:
             *(PYTHON, str(HERE / "bare.py"), "--engine", section.engine),
             *("--model", str(section.model.path), "--batches", "--stdin"),
             *("--prompt", str(settings.prompt_tokens), "--tokens", str(settings.max_tokens)),
+            *(["--sample"] if settings.bare_samples else []),
         ]
         self._process = subprocess.Popen(
             command,
@@ -651,6 +653,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="spread the clients' starts over this long, so that prompts arrive while "
         "other streams decode (default 0: a level's requests start and end together)",
     )
+    parser.add_argument(
+        "--bare-samples",
+        action="store_true",
+        help="the bare loop samples at temperature 1 (torch.multinomial, mx.random.categorical) "
+        "instead of taking the argmax: the loop to compare a sampled --load with",
+    )
     parser.add_argument("--output", type=Path, default=HERE / "serve-results.md")
     args = parser.parse_args(argv)
 
@@ -674,6 +682,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         body=load_body(args.load, args.body),
         keep_logs=args.keep_logs,
         stagger=args.stagger,
+        bare_samples=args.bare_samples,
     )
     engines = ["transformers", "mlx"] if args.engine == "both" else [args.engine]
     started = time.perf_counter()
