@@ -656,8 +656,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--bare-samples",
         action="store_true",
-        help="the bare loop samples at temperature 1 (torch.multinomial, mx.random.categorical) "
-        "instead of taking the argmax: the loop to compare a sampled --load with",
+        help="the bare loop samples at temperature 1 (torch: inverse CDF; mlx: "
+        "mx.random.categorical) instead of taking the argmax: the loop to compare a sampled "
+        "--load with",
     )
     parser.add_argument("--output", type=Path, default=HERE / "serve-results.md")
     args = parser.parse_args(argv)
