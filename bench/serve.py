@@ -3,7 +3,7 @@
 One command builds (once, cached) the models, then for each engine:
 
 * the **bare engine** (``bench/bare.py``, in a process of its own): the model in
-  a plain decode loop at batch 1, 4, 16 -- the ceiling;
+  a plain decode loop at batch 1, 4, 16, 64 -- the ceiling;
 * **sluiceway** (``sluiceway serve --max-num-seqs 64``) under a loopback load
   generator (``bench/loadgen.py``): streaming ``/v1/completions`` clients,
   greedy (``--load sampled`` / ``top5``, or any ``--body`` fields, for
@@ -94,7 +94,7 @@ OPENBLAS_GLOBS = (
     "/usr/lib/*/libopenblas.so.0",
     "/usr/lib64/libopenblas.so.0",
 )
-BARE_BATCHES = (1, 4, 16)
+BARE_BATCHES = (1, 4, 16, 64)
 #: Requests per client at each concurrency (a closed loop: the next one starts
 #: when the last one ends), in each round. Rounds of one request at
 #: concurrency 1 were tried (twelve of them, for less drift within a round):
@@ -296,7 +296,7 @@ def start_bare(section: Section, settings: Settings) -> BareEngine | None:
         section.bare_failure = str(error)
         print(f"  bare engine failed: {error}", flush=True)
         return None
-    for batch in BARE_BATCHES:
+    for batch in (b for b in BARE_BATCHES if b in settings.concurrency):
         for _ in range(settings.bare_repeats):
             for _ in range(settings.retries + 1):
                 wait_quiet(settings.busy)
@@ -611,7 +611,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--paired-rounds",
         type=int,
         default=3,
-        help="rounds of bare engine / our level / bare engine at concurrency 1, 4, 16 "
+        help="rounds of bare engine / our level / bare engine at concurrency 1, 4, 16, 64 "
         "(the median round is reported)",
     )
     parser.add_argument(

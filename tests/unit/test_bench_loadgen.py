@@ -229,3 +229,27 @@ def test_the_middle_rate_leaves_out_each_streams_edges() -> None:
     # Streams too short to have a middle count for nothing.
     short = Sample(sent=0.0, arrivals=[0.1, 0.2, 0.3])
     assert Level(1, (short,), wall=1.0).middle_throughput == 0.0
+
+
+def test_the_pipeline_cost_is_per_token_at_each_paired_level() -> None:
+    """At concurrency c a token streams every ``time_per_token / c``: a level
+    of 4 streams at 10 ms a token against a bare step of 8 ms adds 0.5 ms a
+    token; a level without a bare step is left out."""
+    from loadgen import Sample
+    from report import OURS, Model, Section, ServerRun, pipeline_cost
+
+    def level(concurrency: int, gap: float) -> Level:
+        arrivals = [1.0 + gap * i for i in range(11)]
+        stream = Sample(sent=0.9, arrivals=arrivals, usage_tokens=11)
+        return Level(concurrency, (stream,) * concurrency, wall=1.0)
+
+    run = ServerRun(OURS, levels=[level(1, 0.003), level(4, 0.010), level(64, 0.02)])
+    run.paired_step = {1: 0.002, 4: 0.008}
+    tiny = Model("tiny", Path("."), "tiny", ())
+    section = Section("transformers", tiny, runs=[run])
+    (line,) = [line for line in pipeline_cost([section]) if line.startswith("- ")]
+    assert "c=1: 3000 µs per streamed token against the bare loop's 2000" in line
+    assert "adds **1000 µs** (1.50x)" in line
+    assert "c=4: 2500 µs per streamed token against the bare loop's 2000" in line
+    assert "adds **500 µs** (1.25x)" in line
+    assert "c=64" not in line
