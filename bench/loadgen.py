@@ -86,8 +86,11 @@ class Sample:
         return self.usage_tokens if self.usage_tokens is not None else len(self.arrivals)
 
 
-def prompts_of_length(tokenizer_json: str, text: str, length: int, count: int) -> list[str]:
-    """``count`` distinct prompts that each tokenize to exactly ``length`` ids.
+def prompts_of_length(
+    tokenizer_json: str, text: str, length: int, count: int, minimum: int | None = None
+) -> list[str]:
+    """``count`` distinct prompts that each tokenize to exactly ``length`` ids
+    (or as many as the text yields, when that is at least ``minimum``).
 
     Each prompt is a window of ``text`` starting at a different word, cut to
     ``length`` tokens and kept only if its text encodes back to ``length``
@@ -115,6 +118,8 @@ def prompts_of_length(tokenizer_json: str, text: str, length: int, count: int) -
             found.append(prompt)
             if len(found) == count:
                 return found
+    if minimum is not None and len(found) >= minimum:
+        return found
     raise ValueError(f"the text yields only {len(found)} prompts of {length} tokens")
 
 

@@ -551,7 +551,7 @@ def progress_line(level: Level, other: float) -> str:
 # --- main ---------------------------------------------------------------------
 
 
-def make_model(key: str, settings: Settings, prompts_needed: int) -> Model:
+def make_model(key: str, settings: Settings, prompts_needed: tuple[int, int]) -> Model:
     if key == "large":
         path = serving_model()
         params = parameter_count(json.loads((path / "config.json").read_text())["vocab_size"])
@@ -565,8 +565,9 @@ def make_model(key: str, settings: Settings, prompts_needed: int) -> Model:
             f"vocab {config['vocab_size']}"
         )
         text = shipped_corpus()
+    wanted, minimum = prompts_needed
     prompts = prompts_of_length(
-        str(path / "tokenizer.json"), text, settings.prompt_tokens, prompts_needed
+        str(path / "tokenizer.json"), text, settings.prompt_tokens, wanted, minimum
     )
     return Model(key, path, label, tuple(prompts))
 
@@ -576,13 +577,16 @@ def rounds_at(settings: Settings, concurrency: int) -> int:
     return settings.paired_rounds if concurrency in BARE_BATCHES else 1
 
 
-def prompts_per_server(settings: Settings) -> int:
-    """Enough prompts that none repeats within one server's run, retries included."""
+def prompts_per_server(settings: Settings) -> tuple[int, int]:
+    """Prompts wanted so that none repeats within one server's run, retries
+    included; and the fewest that keep them from repeating when no level is
+    retried (a model's text may yield fewer than wanted: the servers then
+    cycle through them, and only retried levels see a prompt again)."""
     warm = 1 + max(settings.concurrency)
     measured = sum(
         c * settings.requests_per_client[c] * rounds_at(settings, c) for c in settings.concurrency
     )
-    return warm + measured * (1 + settings.retries)
+    return warm + measured * (1 + settings.retries), warm + measured
 
 
 def main(argv: Sequence[str] | None = None) -> None:
