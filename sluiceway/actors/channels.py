@@ -7,9 +7,9 @@ helpers skip that checkpoint; when they do wait, they wait the normal way.
 
 A request's output goes through a :func:`open_mailbox` instead of a memory
 object stream: the scheduler drops each step's message in without waiting,
-and the one reader waits on a plain event. A memory stream's ``receive``
-passes a checkpoint before it waits, which costs the event loop a whole extra
-turn per streamed token.
+and the one reader waits on a plain event (on asyncio, a bare future). A
+memory stream's ``receive`` passes a checkpoint before it waits, which costs
+the event loop a whole extra turn per streamed token.
 
 A mailbox may have a high-water mark (``limit``). The writer never waits or
 refuses a message; instead the mailbox reports ``full`` once ``limit``
@@ -28,9 +28,10 @@ steps instead of once per step (the server's ``--stream-interval``).
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
-from collections.abc import Callable
-from typing import Generic, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Generic, Protocol, TypeVar
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -62,6 +63,42 @@ def event_factory() -> Callable[[], anyio.Event]:
     return type(anyio.Event())
 
 
+class _Waiter(Protocol):
+    def set(self) -> None: ...
+
+    def wait(self) -> Awaitable[object]: ...
+
+
+class _Wakeup:
+    """A mailbox reader's one wake-up on asyncio: a bare future, awaited
+    directly. anyio's event wraps asyncio's, which wraps a future: two more
+    coroutine frames to resume, and a waiter set to keep, per streamed token.
+    (A cancelled reader drops its wake-up and makes a new one next time, so
+    a future, which cannot be awaited again once cancelled, is enough.)"""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: asyncio.Future[None]) -> None:
+        self._future = future
+
+    def set(self) -> None:
+        if not self._future.done():
+            self._future.set_result(None)
+
+    def wait(self) -> Awaitable[object]:
+        return self._future
+
+
+def _waiter_factory() -> Callable[[], _Waiter]:
+    """Wake-ups for the running loop: futures on asyncio, anyio's events on
+    any other backend."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio
+        return event_factory()
+    return lambda: _Wakeup(loop.create_future())
+
+
 class _MailboxState(Generic[T]):
     __slots__ = (
         "every",
@@ -78,13 +115,13 @@ class _MailboxState(Generic[T]):
 
     def __init__(
         self,
-        make_event: Callable[[], anyio.Event],
+        make_event: Callable[[], _Waiter],
         limit: int | None,
         on_drained: Callable[[], None] | None,
         every: int = 1,
     ) -> None:
         self.messages: deque[T] = deque()
-        self.waiter: anyio.Event | None = None
+        self.waiter: _Waiter | None = None
         self.make_event = make_event
         self.writer_closed = False
         self.reader_closed = False
@@ -215,5 +252,5 @@ def open_mailbox(
         # Past the limit the writer's request pauses, so a batch larger than
         # the limit would never fill and its reader would never wake.
         raise ValueError(f"every must be between 1 and the limit ({limit}), not {every}")
-    state: _MailboxState[T] = _MailboxState(event_factory(), limit, on_drained, every)
+    state: _MailboxState[T] = _MailboxState(_waiter_factory(), limit, on_drained, every)
     return MailboxWriter(state), MailboxReader(state)
