@@ -255,10 +255,13 @@ def pipeline_cost(sections: Sequence[Section]) -> list[str]:
         if section.model.key != "tiny":
             continue
         ours = section.run(OURS)
+        if ours is None:
+            lines.append(f"- {section.engine}: n/a")
+            continue
         cells = []
-        for level in ours.levels if ours else ():
+        for level in ours.levels:
             c = level.concurrency
-            bare = (ours.paired_step.get(c) if ours else None) or section.bare_step.get(c)
+            bare = ours.paired_step.get(c) or section.bare_step.get(c)
             if bare is None or not level.time_per_token:
                 continue
             per_token = level.time_per_token

@@ -104,7 +104,7 @@ class _MailboxState(Generic[T]):
         "every",
         "full",
         "limit",
-        "make_event",
+        "make_waiter",
         "messages",
         "on_drained",
         "reader_closed",
@@ -115,14 +115,14 @@ class _MailboxState(Generic[T]):
 
     def __init__(
         self,
-        make_event: Callable[[], _Waiter],
+        make_waiter: Callable[[], _Waiter],
         limit: int | None,
         on_drained: Callable[[], None] | None,
         every: int = 1,
     ) -> None:
         self.messages: deque[T] = deque()
         self.waiter: _Waiter | None = None
-        self.make_event = make_event
+        self.make_waiter = make_waiter
         self.writer_closed = False
         self.reader_closed = False
         self.limit = limit
@@ -217,7 +217,7 @@ class MailboxReader(Generic[T]):
         while not state.due():
             if state.waiter is not None:
                 raise RuntimeError("a mailbox has one reader at a time")
-            waiter = state.waiter = state.make_event()
+            waiter = state.waiter = state.make_waiter()
             try:
                 await waiter.wait()
             finally:
