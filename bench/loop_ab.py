@@ -5,6 +5,7 @@
     .venv/bin/python bench/loop_ab.py --tree-b /tmp/other --concurrency 64 --whole-process
     .venv/bin/python bench/loop_ab.py --tree-a /tmp/base --api chat \
         --body '{"temperature": 1, "seed": 7, "logprobs": true, "top_logprobs": 5}'
+    .venv/bin/python bench/loop_ab.py --floor b --concurrency 16 --step-ms 4
 
 Two servers run at once, each on a stand-in engine that sleeps for a decode
 step instead of computing (``--step-ms``, 16 by default: the large benchmark
@@ -17,6 +18,11 @@ change that moves work between the loop and worker threads). Alternating cancels
 moves whole bench runs by 5-10%: the paired difference resolves about
 ±20 µs per token in 16 phases, where separate runs minutes apart did not
 resolve ±60.
+
+``--floor a|b`` runs that side as ``bench/floor_app.py`` instead: Hypercorn
+alone, streaming a prebuilt frame per stream at every step of a ticker. What
+its event loop spends per token is what asyncio and Hypercorn cost without
+any of sluiceway, so the difference is the server's own share.
 
 A tree is a checkout of this repository (``git worktree add``); it goes
 first on the server's ``sys.path``, so its ``sluiceway`` package is the one
@@ -143,9 +149,23 @@ class Server:
         return total
 
 
-def start(name: str, tree: Path, port: int, model: Path, step_ms: float, args: str) -> Server:
+def start(
+    name: str, tree: Path, port: int, model: Path, step_ms: float, args: str, floor: bool
+) -> Server:
     env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
-    command = [
+    if floor:
+        command = [sys.executable, str(Path(__file__).resolve()), "--serve-floor", str(port)]
+        command += ["--serve-step-ms", str(step_ms)]
+    else:
+        command = _serve_command(port, model, step_ms, args)
+    path = Path(tempfile.gettempdir()) / f"loop-ab-{name}.log"
+    log = open(path, "wb")  # noqa: SIM115  (closed when the server stops)
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return Server(name, process, f"http://127.0.0.1:{port}", log)
+
+
+def _serve_command(port: int, model: Path, step_ms: float, args: str) -> list[str]:
+    return [
         sys.executable,
         str(Path(__file__).resolve()),
         "--serve-step-ms",
@@ -160,10 +180,6 @@ def start(name: str, tree: Path, port: int, model: Path, step_ms: float, args: s
         "warning",
         *shlex.split(args),
     ]
-    path = Path(tempfile.gettempdir()) / f"loop-ab-{name}.log"
-    log = open(path, "wb")  # noqa: SIM115  (closed when the server stops)
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return Server(name, process, f"http://127.0.0.1:{port}", log)
 
 
 async def phase(
@@ -183,8 +199,8 @@ async def phase(
 
 async def compare(args: argparse.Namespace, model: Path) -> dict[str, list[float]]:
     servers = [
-        start("A", args.tree_a, args.port, model, args.step_ms, args.args_a),
-        start("B", args.tree_b, args.port + 1, model, args.step_ms, args.args_b),
+        start("A", args.tree_a, args.port, model, args.step_ms, args.args_a, args.floor == "a"),
+        start("B", args.tree_b, args.port + 1, model, args.step_ms, args.args_b, args.floor == "b"),
     ]
     prompts = (f"request {i}: " + "words " * 40 for i in itertools.count())
     try:
@@ -233,9 +249,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="count every thread's CPU, not only the event loop's",
     )
+    parser.add_argument(
+        "--floor",
+        choices=["a", "b"],
+        help="run that side as bench/floor_app.py: Hypercorn streaming prebuilt frames, "
+        "the least a token costs without sluiceway (completions, greedy only)",
+    )
     parser.add_argument("--serve-step-ms", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-floor", type=int, help=argparse.SUPPRESS)
     parser.add_argument("serve_args", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.serve_floor is not None:
+        from floor_app import serve
+
+        serve(args.serve_floor, args.serve_step_ms / 1e3)
+        return
     if args.serve_step_ms is not None:
         serve_with_stand_in(args.serve_step_ms / 1e3, args.serve_args)
         return

@@ -40,3 +40,41 @@ def test_report_gives_the_paired_difference() -> None:
     assert "A: 510 µs per token" in line
     assert "B: 462" in line
     assert "B - A: -48 ± 4 µs per token (3 paired phases)" in line
+
+
+def test_floor_app_streams_a_frame_per_tick_that_the_load_generator_counts() -> None:
+    import asyncio
+    import json
+
+    from floor_app import FloorApp
+    from loadgen import Sample, _read_events
+
+    async def stream() -> tuple[list[bytes], int]:
+        app = FloorApp(step_seconds=0.0)
+        ticker = asyncio.get_running_loop().create_task(app.tick())
+        body = json.dumps({"max_tokens": 5}).encode()
+        incoming = [{"type": "http.request", "body": body, "more_body": False}]
+        sent: list[dict[str, object]] = []
+
+        async def receive() -> dict[str, object]:
+            return incoming.pop(0)
+
+        async def send(message: dict[str, object]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "path": "/v1/completions"}
+        await app(scope, receive, send)
+        ticker.cancel()
+        status = sent[0]["status"]
+        assert isinstance(status, int)
+        return [m["body"] for m in sent[1:] if isinstance(m["body"], bytes)], status
+
+    bodies, status = asyncio.run(stream())
+    assert status == 200
+    assert len(bodies) == 6  # one frame a tick, then the finish and [DONE]
+    sample = Sample(sent=0.0)
+    _read_events(sample, [(float(i), body) for i, body in enumerate(bodies)])
+    assert sample.error is None
+    assert sample.finished
+    assert len(sample.arrivals) == 5
+    assert sample.usage_tokens == 5
