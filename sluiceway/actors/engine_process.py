@@ -36,8 +36,15 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import anyio
-import numpy as np
 
+from sluiceway.actors.engine_pipe import (
+    GreedyDecode,
+    dump_call,
+    dump_reply,
+    for_pipe,
+    load_call,
+    load_reply,
+)
 from sluiceway.actors.engine_work import (
     PendingStep,
     StepOutcome,
@@ -49,7 +56,6 @@ from sluiceway.actors.run_ahead import RunAhead
 from sluiceway.actors.thread_tuner import ThreadedEngine, ThreadTuner
 from sluiceway.engines.base import CacheOp, DecodeResult, Engine, EngineInfo, Logits
 from sluiceway.engines.loader import ModelSource, freeze_heap
-from sluiceway.protocol.messages import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -189,14 +195,14 @@ class ProcessEngine:
 
     def _send(self, method: str, *args: Any, **kwargs: Any) -> None:
         try:
-            self._conn.send((method, args, kwargs))
+            self._conn.send_bytes(dump_call(method, args, kwargs))
         except OSError as error:
             self._broken = True
             raise EngineProcessError(f"the engine process is gone ({error})") from error
 
     def _receive(self) -> Any:
         try:
-            status, value = self._conn.recv()
+            status, value = load_reply(self._conn.recv_bytes())
         except (EOFError, OSError) as error:
             self._broken = True
             code = self._process.exitcode
@@ -225,11 +231,11 @@ class _Reply:
         with anyio.CancelScope(shield=True):
             await anyio.wait_readable(self.engine._conn.fileno())
         try:
-            outcome: StepOutcome | _GreedyDecode = self.engine._receive()
+            outcome: StepOutcome | GreedyDecode = self.engine._receive()
         except EngineProcessError as error:
             logger.error("engine step failed: %s", error)
             return failed_step(self.plan, f"engine failed: {error}")
-        return outcome.outcome() if isinstance(outcome, _GreedyDecode) else outcome
+        return outcome.outcome() if isinstance(outcome, GreedyDecode) else outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,11 +274,11 @@ def _child_main(conn: Connection, spec: EngineSpec) -> None:
         )
     except Exception as error:
         logger.exception("the engine could not start")
-        conn.send(("error", f"{type(error).__name__}: {error}"))
+        conn.send_bytes(dump_reply("error", f"{type(error).__name__}: {error}"))
         return
     tuning = _tuning(engine)
     info = engine.info if tuning is None else replace(engine.info, threads_tuned=True)
-    conn.send(("ok", info))
+    conn.send_bytes(dump_reply("ok", info))
     freeze_heap()
     _serve(conn, engine, tuning)
 
@@ -321,7 +327,7 @@ def _serve(conn: Connection, engine: Engine, tuning: _Tuning | None = None) -> N
     runner = RunAhead(engine)
     while True:
         try:
-            method, args, kwargs = conn.recv()
+            method, args, kwargs = load_call(conn.recv_bytes())
         except (EOFError, OSError):
             engine.close()  # the parent is gone
             return
@@ -337,10 +343,10 @@ def _serve(conn: Connection, engine: Engine, tuning: _Tuning | None = None) -> N
                 runner.packed,
             )
             engine.close()
-            conn.send(("ok", None))
+            conn.send_bytes(dump_reply("ok", None))
             return
         if method not in _METHODS:
-            conn.send(("error", f"unknown engine call {method!r}"))
+            conn.send_bytes(dump_reply("error", f"unknown engine call {method!r}"))
             continue
         try:
             if method == "execute":
@@ -348,7 +354,7 @@ def _serve(conn: Connection, engine: Engine, tuning: _Tuning | None = None) -> N
                 if tuning is not None:
                     tuning.before(plan)
                 outcome = runner.execute(plan)
-                result: Any = _for_pipe(plan, outcome)
+                result: Any = for_pipe(plan, outcome)
             elif method == "release_memory":
                 release_memory(engine)
                 result = None
@@ -356,66 +362,8 @@ def _serve(conn: Connection, engine: Engine, tuning: _Tuning | None = None) -> N
                 result = getattr(engine, method)(*args, **kwargs)
         except Exception as error:
             logger.exception("engine call %s failed", method)
-            conn.send(("error", f"{method} failed: {error}"))
+            conn.send_bytes(dump_reply("error", f"{method} failed: {error}"))
             continue
-        conn.send(("ok", result))
+        conn.send_bytes(dump_reply("ok", result))
         if method == "execute":
             runner.run_ahead(plan, outcome)
-
-
-@dataclass(frozen=True, slots=True)
-class _GreedyDecode:
-    """A decode-only step whose tokens the engine picked, as it crosses the
-    pipe: the slots and their tokens as plain values, and the drawn rows'
-    logprobs (named tuples) where any asked. Unpickling a whole
-    ``StepOutcome`` (numpy arrays, dataclasses) took ~84 µs of the event
-    loop per step; pickling one with 16 rows of top-5 logprobs took the
-    child ~70 µs warm, against ~40 µs for these values."""
-
-    slots: tuple[int, ...]
-    tokens: bytes  # int64, one per slot
-    logprobs: list[TokenLogprob | None] | None = None
-
-    def __reduce__(self) -> tuple[type[_GreedyDecode], tuple[object, ...]]:
-        return (_GreedyDecode, (self.slots, self.tokens, self.logprobs))
-
-    def outcome(self) -> StepOutcome:
-        rows = len(self.slots)
-        return StepOutcome(
-            prefills=[],
-            decode=DecodeResult(self.slots, np.empty((rows, 0), dtype=np.float32)),
-            decode_greedy=np.frombuffer(self.tokens, dtype=np.int64),
-            decode_logprobs=self.logprobs,
-        )
-
-
-def _for_pipe(plan: StepPlan, outcome: StepOutcome) -> StepOutcome | _GreedyDecode:
-    """``outcome`` minus what the parent will not read.
-
-    In a step whose tokens the engine picked the scheduler uses only the
-    picks (and the drawn rows' logprobs), so the logits stay here (a
-    zero-width view keeps each block's row count); the usual step, a decode
-    with nothing else (its drawn rows' logprobs included), goes as a
-    ``_GreedyDecode``.
-    """
-    if not plan.greedy:
-        return outcome
-    decoded, greedy = outcome.decode, outcome.decode_greedy
-    plain = not outcome.prefills and not outcome.late and outcome.cache_error is None
-    if plain and decoded is not None and greedy is not None:
-        tokens = greedy.astype(np.int64, copy=False).tobytes()
-        return _GreedyDecode(decoded.slots, tokens, outcome.decode_logprobs)
-    for prefilled in [*outcome.prefills, *outcome.late]:
-        if prefilled.greedy is not None and prefilled.logits is not None:
-            prefilled.logits = prefilled.logits[:, :0]
-    if decoded is not None and greedy is not None:
-        outcome = StepOutcome(
-            prefills=outcome.prefills,
-            decode=DecodeResult(decoded.slots, decoded.logits[:, :0]),
-            decode_error=outcome.decode_error,
-            decode_greedy=greedy,
-            decode_logprobs=outcome.decode_logprobs,
-            cache_error=outcome.cache_error,
-            late=outcome.late,
-        )
-    return outcome

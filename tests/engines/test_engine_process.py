@@ -228,7 +228,7 @@ def test_a_greedy_decode_crosses_the_pipe_as_plain_values() -> None:
 
     import numpy as np
 
-    from sluiceway.actors.engine_process import _for_pipe, _GreedyDecode
+    from sluiceway.actors.engine_pipe import GreedyDecode, for_pipe
     from sluiceway.actors.engine_work import PrefillOutcome, StepOutcome
     from sluiceway.engines.base import DecodeResult
     from sluiceway.protocol.messages import TokenLogprob
@@ -239,8 +239,8 @@ def test_a_greedy_decode_crosses_the_pipe_as_plain_values() -> None:
         decode=DecodeResult((7, 2, 9), logits),
         decode_greedy=logits.argmax(axis=-1),
     )
-    sent = _for_pipe(StepPlan(decode={7: 1, 2: 1, 9: 1}, greedy=True), outcome)
-    assert isinstance(sent, _GreedyDecode)
+    sent = for_pipe(StepPlan(decode={7: 1, 2: 1, 9: 1}, greedy=True), outcome)
+    assert isinstance(sent, GreedyDecode)
     received = pickle.loads(pickle.dumps(sent)).outcome()
     assert received.decode is not None
     assert received.decode_greedy is not None
@@ -252,8 +252,8 @@ def test_a_greedy_decode_crosses_the_pipe_as_plain_values() -> None:
     # Drawn rows' logprobs come along, None where a row asked for none.
     scored = [TokenLogprob(-0.25, ((4, -0.25), (1, -2.5)), ((9, -7.0),)), None, TokenLogprob(-1.0)]
     with_logprobs = replace(outcome, decode_logprobs=scored)
-    sent = _for_pipe(StepPlan(decode={7: 1, 2: 1, 9: 1}, greedy=True), with_logprobs)
-    assert isinstance(sent, _GreedyDecode)
+    sent = for_pipe(StepPlan(decode={7: 1, 2: 1, 9: 1}, greedy=True), with_logprobs)
+    assert isinstance(sent, GreedyDecode)
     received = pickle.loads(pickle.dumps(sent)).outcome()
     assert received.decode_logprobs == scored
     assert received.decode_greedy is not None
@@ -266,7 +266,7 @@ def test_a_greedy_decode_crosses_the_pipe_as_plain_values() -> None:
         decode=DecodeResult((7, 2, 9), logits),
         decode_greedy=logits.argmax(axis=-1),
     )
-    sent_mixed = _for_pipe(StepPlan(decode={7: 1, 2: 1, 9: 1}, greedy=True), mixed)
+    sent_mixed = for_pipe(StepPlan(decode={7: 1, 2: 1, 9: 1}, greedy=True), mixed)
     assert isinstance(sent_mixed, StepOutcome)
     assert sent_mixed.decode is not None
     assert sent_mixed.decode.logits.shape == (3, 0)
@@ -274,7 +274,7 @@ def test_a_greedy_decode_crosses_the_pipe_as_plain_values() -> None:
     assert mixed.decode.logits.shape == (3, 50)
     # Sampled steps send their logits.
     sampled = StepOutcome(prefills=[], decode=DecodeResult((7,), logits[:1]))
-    assert _for_pipe(StepPlan(decode={7: 1}), sampled) is sampled
+    assert for_pipe(StepPlan(decode={7: 1}), sampled) is sampled
 
 
 def _report_environment(names: list[str], queue: Any) -> None:
