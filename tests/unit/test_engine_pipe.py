@@ -79,3 +79,12 @@ def test_a_decode_reply_with_logprobs_is_pickled() -> None:
     data = dump_reply("ok", reply)
     assert data[:1] == PICKLED
     assert load_reply(data) == ("ok", reply)
+
+
+def test_the_packed_plan_knows_every_field_of_a_plan() -> None:
+    """A plan field added later must be checked by ``_packed_plan`` (or be
+    packed), else a packed plan would silently drop it."""
+    from dataclasses import fields
+
+    known = {"cache_ops", "frees", "prefills", "decode", "greedy", "masks", "draws"}
+    assert {field.name for field in fields(StepPlan)} == known
