@@ -25,34 +25,26 @@ Send = Callable[[Message], Awaitable[None]]
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
-def _frame(index: int) -> bytes:
+def _frame(text: str, finish: str | None = None, **extra: object) -> bytes:
+    """One SSE frame of a completions chunk, as the server would send it."""
     chunk = {
         "id": "cmpl-0123456789abcdef0123456789abcdef",
         "object": "text_completion",
         "created": 1764300000,
         "model": "sluiceway-default",
-        "choices": [
-            {"index": 0, "text": f" word{index % 10}", "logprobs": None, "finish_reason": None}
-        ],
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        **extra,
     }
     return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
 
 
 #: Frames prebuilt, so that the floor holds no JSON encoding.
-FRAMES = [_frame(index) for index in range(10)]
+FRAMES = [_frame(f" word{index}") for index in range(10)]
 
 
 def _last_frames(tokens: int) -> bytes:
     usage = {"prompt_tokens": 8, "completion_tokens": tokens, "total_tokens": tokens + 8}
-    final = {
-        "id": "cmpl-0123456789abcdef0123456789abcdef",
-        "object": "text_completion",
-        "created": 1764300000,
-        "model": "sluiceway-default",
-        "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}],
-        "usage": usage,
-    }
-    return b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n"
+    return _frame("", "length", usage=usage) + b"data: [DONE]\n\n"
 
 
 class FloorApp:

@@ -154,8 +154,15 @@ def start(
 ) -> Server:
     env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
     if floor:
-        command = [sys.executable, str(Path(__file__).resolve()), "--serve-floor", str(port)]
-        command += ["--serve-step-ms", str(step_ms)]
+        script = str(Path(__file__).resolve())
+        command = [
+            sys.executable,
+            script,
+            "--serve-floor",
+            str(port),
+            "--serve-step-ms",
+            str(step_ms),
+        ]
     else:
         command = _serve_command(port, model, step_ms, args)
     path = Path(tempfile.gettempdir()) / f"loop-ab-{name}.log"
