@@ -47,6 +47,9 @@ class Settings:
     #: The bare loop samples at temperature 1 instead of taking the argmax
     #: (``--bare-samples``; ``bench/bare.py --sample``).
     bare_samples: bool = False
+    #: Also measure a bare loop on one torch thread around each paired round
+    #: (``--one-thread-bare``; transformers only).
+    one_thread_bare: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,12 @@ class ServerRun:
     paired_ratios: dict[int, list[float]] = field(default_factory=dict)
     #: The same over each request's middle half (``Level.middle_throughput``).
     paired_middle: dict[int, list[float]] = field(default_factory=dict)
+    #: Decode ÷ the one-thread bare loop of every paired round, and over the
+    #: middle half (``--one-thread-bare``).
+    single_ratios: dict[int, list[float]] = field(default_factory=dict)
+    single_middle: dict[int, list[float]] = field(default_factory=dict)
+    #: The thread tuner's switches, as the server logged them.
+    tuner: list[str] = field(default_factory=list)
     #: The bare engine's tokens/s and step around each paired round.
     round_bare: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
     #: Tokens/s of every round at each concurrency, in the order they ran.
@@ -170,6 +179,17 @@ def section_table(section: Section, settings: Settings) -> list[str]:
             lines.append(
                 f"- {run.server}, the same over each request's middle half "
                 f"(the wave's edges left out): {rounds_of(run.paired_middle)}"
+            )
+        if run.single_ratios:
+            lines.append(
+                f"- {run.server}, decode ÷ the bare loop on one torch thread, each paired "
+                f"round: {rounds_of(run.single_ratios)}; over the middle half: "
+                f"{rounds_of(run.single_middle)}"
+            )
+        if run.tuner:
+            lines.append(
+                f"- {run.server}, the thread tuner's switches, in order: "
+                + "; ".join(f"{switch} of the time per row)" for switch in run.tuner)
             )
         if run.note or run.failure:
             lines.append(f"- {run.server}: {run.failure or ''} {run.note}".rstrip())

@@ -33,12 +33,21 @@ the targets met or missed, and our pipeline's cost per streamed token.
         [--models large tiny] [--concurrency 1 4 16 64] [--no-peers] [--trace]
         [--server-args='--engine-process'] [--server-env K=V ...]
         [--load greedy|sampled|top5] [--body JSON] [--keep-logs]
-        [--stagger SECONDS] [--output bench/serve-results.md]
+        [--stagger SECONDS] [--bare-samples] [--one-thread-bare]
+        [--output bench/serve-results.md]
 
-The default run takes about 17 minutes on a 2-core host, ``--quick`` about 3.
+The default run takes about 25 minutes on a 2-core host, ``--quick`` about 3.
 The host is measured for other load (``bench/hostload.py``): a measurement
 waits for a quiet host and is repeated while other processes were busy
 (``--busy``, ``--retries``); the *other CPU* column shows what remained.
+
+The thread tuner's switches (``sluiceway.actors.thread_tuner``) are read
+from our server's log into the report. ``--one-thread-bare`` (transformers)
+keeps a second bare loop up on one torch thread and measures it around each
+of our paired rounds too: where the tuner gives our engine one thread (the
+tiny model at c>=16 on two cores), decode ÷ that loop separates what the
+server costs from what the engine loses by computing on fewer threads than
+the default bare loop.
 
 ``--trace`` runs our server under ``bench/trace_server.py``, which times each
 scheduler step segment by segment and the CPU of each thread role, and adds
@@ -64,6 +73,7 @@ import glob
 import itertools
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -104,6 +114,9 @@ BARE_BATCHES = (1, 4, 16, 64)
 #: of four.
 REQUESTS_PER_CLIENT = {1: 4, 4: 2, 16: 2, 64: 1}
 PEER_OF = {"mlx": "mlx_lm.server", "transformers": "transformers serve"}
+#: The thread tuner's log line when it switches a batch size's thread count
+#: (``sluiceway.actors.thread_tuner``): the report lists them.
+TUNER_SWITCH = re.compile(r"engine threads for (batches of \d+: \d+, not \d+ \(\d+%)")
 
 
 # --- processes --------------------------------------------------------------
@@ -182,7 +195,9 @@ def server_command(
             *launcher,
             *("serve", "--model", str(model), "--engine", engine),
             *("--port", str(port), "--max-num-seqs", str(max(settings.concurrency))),
-            *("--log-level", "warning", "--worker-class", settings.worker_class),
+            # info, the default: the report lists the thread tuner's switches
+            # from the log (one access line per request costs next to nothing).
+            *("--log-level", "info", "--worker-class", settings.worker_class),
             *settings.server_args,
         ]
     if server == "mlx_lm.server":
@@ -243,7 +258,7 @@ class BareEngine:
     kept up through the section so that it can be measured right before and
     after each of our levels: a drift of the host then hits both alike."""
 
-    def __init__(self, section: Section, settings: Settings) -> None:
+    def __init__(self, section: Section, settings: Settings, *, one_thread: bool = False) -> None:
         command = [
             *(PYTHON, str(HERE / "bare.py"), "--engine", section.engine),
             *("--model", str(section.model.path), "--batches", "--stdin"),
@@ -256,7 +271,8 @@ class BareEngine:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=env_for(section.engine, settings),
+            env=env_for(section.engine, settings)
+            | ({"OMP_NUM_THREADS": "1"} if one_thread else {}),
         )
         self._read()  # "ready", once the model is loaded and warm
 
@@ -309,6 +325,21 @@ def start_bare(section: Section, settings: Settings) -> BareEngine | None:
     cells = ", ".join(f"batch {b}: {r:.1f} tok/s" for b, r in section.bare.items())
     print(f"  bare engine: {cells}", flush=True)
     return bare
+
+
+def start_one_thread_bare(section: Section, settings: Settings) -> BareEngine | None:
+    """With ``--one-thread-bare``, a second bare loop on one torch thread,
+    measured around each of our paired rounds beside the default one: on a
+    host where the thread tuner gives our engine one thread (the tiny model
+    at c>=16 on two cores), decode ÷ this loop is what the server costs on
+    the threads it gave its engine."""
+    if not settings.one_thread_bare or section.engine != "transformers":
+        return None
+    try:
+        return BareEngine(section, settings, one_thread=True)
+    except RuntimeError as error:
+        print(f"  one-thread bare engine failed: {error}", flush=True)
+        return None
 
 
 @dataclass(slots=True)
@@ -379,6 +410,8 @@ def stop_server(server: Server) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+    server.log.seek(0)
+    run.tuner = [m.group(1) for m in TUNER_SWITCH.finditer(server.log.read())]
     server.log.close()
     if run.failure is None and not server.keep_log:
         os.unlink(server.log.name)
@@ -388,7 +421,12 @@ def stop_server(server: Server) -> None:
         read_trace(run, server.trace, process.pid)
 
 
-def run_servers(servers: Sequence[Server], settings: Settings, bare: BareEngine | None) -> None:
+def run_servers(
+    servers: Sequence[Server],
+    settings: Settings,
+    bare: BareEngine | None,
+    single: BareEngine | None = None,
+) -> None:
     """Every level on every server, taking turns: at the concurrencies the
     bare engine has a batch size for, ``rounds_at`` rounds of
     (bare engine, our level, bare engine, the peer's level), so that a drift
@@ -403,7 +441,7 @@ def run_servers(servers: Sequence[Server], settings: Settings, bare: BareEngine 
                 if not server.alive:
                     continue
                 try:
-                    key, measured = measure_turn(server, concurrency, settings, paired)
+                    key, measured = measure_turn(server, concurrency, settings, paired, single)
                 except (RuntimeError, TimeoutError, OSError) as error:
                     server.fail(error)
                     continue
@@ -415,10 +453,15 @@ def run_servers(servers: Sequence[Server], settings: Settings, bare: BareEngine 
 
 
 def measure_turn(
-    server: Server, concurrency: int, settings: Settings, bare: BareEngine | None
+    server: Server,
+    concurrency: int,
+    settings: Settings,
+    bare: BareEngine | None,
+    single: BareEngine | None = None,
 ) -> tuple[float, Measured]:
     """One level on one server; returns the key its rounds are ranked by
-    (decode ÷ bare for ours when paired, else tok/s) and the measurement."""
+    (decode ÷ bare for ours when paired, else tok/s) and the measurement.
+    ``single``: the one-thread bare loop, measured around our level too."""
     run = server.run
     measure = functools.partial(
         measure_level,
@@ -433,9 +476,13 @@ def measure_turn(
         measured = measure()
         key = measured[0].throughput
     else:
+        single_before = single.measure(concurrency) if single is not None else None
         before = bare.measure(concurrency)
         measured = measure()
         after = bare.measure(concurrency)
+        if single is not None and single_before is not None:
+            single_rate = (single_before[0] + single.measure(concurrency)[0]) / 2
+            pair_single(run, concurrency, measured[0], single_rate)
         rate, step = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
         key = measured[0].decode_throughput / rate
         run.paired_ratios.setdefault(concurrency, []).append(key)
@@ -451,6 +498,17 @@ def measure_turn(
     if server.process.poll() is not None:
         raise RuntimeError(f"the server exited with {server.process.returncode}")
     return key, measured
+
+
+def pair_single(run: ServerRun, concurrency: int, level: Level, rate: float) -> None:
+    """Record a round's decode ÷ the one-thread bare loop (and its middle half)."""
+    run.single_ratios.setdefault(concurrency, []).append(level.decode_throughput / rate)
+    run.single_middle.setdefault(concurrency, []).append(level.middle_throughput / rate)
+    print(
+        f"  {'one-thread bare':>18} c={concurrency:<3} {rate:8.1f} tok/s: decode ÷ it "
+        f"{level.decode_throughput / rate:.3f} (middle half {level.middle_throughput / rate:.3f})",
+        flush=True,
+    )
 
 
 def keep_median(run: ServerRun, concurrency: int, turns: list[tuple[float, Measured]]) -> None:
@@ -664,6 +722,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "mx.random.categorical) instead of taking the argmax: the loop to compare a sampled "
         "--load with",
     )
+    parser.add_argument(
+        "--one-thread-bare",
+        action="store_true",
+        help="transformers: also measure a bare loop on one torch thread around each paired "
+        "round, and report decode ÷ it (what the server costs on the threads the tuner "
+        "gave its engine, where it gave one)",
+    )
     parser.add_argument("--output", type=Path, default=HERE / "serve-results.md")
     args = parser.parse_args(argv)
 
@@ -688,6 +753,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         keep_logs=args.keep_logs,
         stagger=args.stagger,
         bare_samples=args.bare_samples,
+        one_thread_bare=args.one_thread_bare,
     )
     engines = ["transformers", "mlx"] if args.engine == "both" else [args.engine]
     started = time.perf_counter()
@@ -713,6 +779,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             sections.append(section)
             print(f"\n== {engine} engine, {model.key} model ({model.label})", flush=True)
             bare = start_bare(section, settings)
+            single = start_one_thread_bare(section, settings)
             names = [OURS]
             if settings.peers:
                 names.append(PEER_OF[engine])
@@ -725,13 +792,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             try:
                 for server in servers:
                     warm_up_server(server, settings)
-                run_servers(servers, settings, bare)
+                run_servers(servers, settings, bare, single)
             finally:
                 for server in servers:
                     stop_server(server)
                     section.runs.append(server.run)
-                if bare is not None:
-                    bare.close()
+                for loop in (bare, single):
+                    if loop is not None:
+                        loop.close()
 
     elapsed = time.perf_counter() - started
     header = (

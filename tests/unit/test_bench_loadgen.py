@@ -175,6 +175,39 @@ def test_each_event_is_timed_by_the_read_that_completed_it() -> None:
     assert sample.arrivals[0] - sample.sent > 0.08
 
 
+def test_replies_are_parsed_once_every_client_is_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client whose reply ended early parses nothing while another still
+    streams: parsing holds the GIL, and the other's reads would wait."""
+    import loadgen
+
+    replies = itertools.count()
+    parsed: list[float] = []
+    read_events = loadgen._read_events
+
+    def timed(sample: loadgen.Sample, pieces: loadgen.Pieces) -> None:
+        parsed.append(time.perf_counter())
+        read_events(sample, pieces)
+
+    monkeypatch.setattr(loadgen, "_read_events", timed)
+
+    async def fast_then_slow(writer: asyncio.StreamWriter) -> bool:
+        pause = 0.0 if next(replies) == 0 else 0.05
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for event in _sse(5):
+            writer.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
+            await writer.drain()
+            await asyncio.sleep(pause)
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    level, _ = asyncio.run(_serve(fast_then_slow, requests=1, concurrency=2))
+    assert level.errors == 0, level.first_errors()
+    assert len(parsed) == 2
+    last_read = max(s.arrivals[-1] for s in level.samples)
+    assert min(parsed) > last_read
+    assert sorted(len(s.arrivals) for s in level.samples) == [5, 5]
+
+
 def test_a_stalled_stream_ends_at_the_time_limit() -> None:
     async def stall(writer: asyncio.StreamWriter) -> bool:
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")

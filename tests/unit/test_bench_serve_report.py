@@ -1,0 +1,74 @@
+"""The serving benchmark's report of the one-thread bare loop and the
+thread tuner's switches (bench/serve.py, bench/report.py)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+
+from loadgen import Level, Sample
+from report import OURS, Model, Section, ServerRun, Settings, section_table
+from serve import TUNER_SWITCH, pair_single
+
+from sluiceway.actors.thread_tuner import ThreadTuner
+
+
+def test_the_tuner_switch_pattern_matches_what_the_tuner_logs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tuner = ThreadTuner(2, settle_seconds=1e-9)
+    with caplog.at_level(logging.INFO, logger="sluiceway.actors.thread_tuner"):
+        for _ in range(400):  # one thread is twice as fast: the check switches to it
+            rows, threads = 16, tuner.threads_for(16)
+            tuner.observe(rows, rows * (1e-3 if threads == 1 else 2e-3), steady=True)
+    assert tuner.choices == {16: 1}
+    found = [m.group(1) for m in TUNER_SWITCH.finditer(caplog.text)]
+    assert found == ["batches of 16: 1, not 2 (50%"]
+
+
+def _level(concurrency: int, seconds_per_token: float, tokens: int = 16) -> Level:
+    samples = tuple(
+        Sample(
+            sent=0.0,
+            arrivals=[i * seconds_per_token for i in range(tokens)],
+            usage_tokens=tokens,
+        )
+        for _ in range(concurrency)
+    )
+    return Level(concurrency, samples, wall=tokens * seconds_per_token)
+
+
+def test_rounds_against_the_one_thread_loop_are_reported() -> None:
+    run = ServerRun(OURS)
+    level = _level(16, 0.004)  # 16 streams at a token every 4 ms: 4,000 tok/s
+    pair_single(run, 16, level, 4000.0)
+    pair_single(run, 16, level, 5000.0)
+    pair_single(run, 16, level, 3200.0)
+    assert run.single_ratios[16] == pytest.approx([1.0, 0.8, 1.25])
+    run.levels.append(level)
+    run.other_cpu.append(0.0)
+    run.client_cpu.append(0.1)
+    run.tuner = ["batches of 16: 1, not 2 (87%"]
+    section = Section("transformers", Model("tiny", Path("."), "tiny", ()), runs=[run])
+    settings = Settings(
+        concurrency=(16,),
+        max_tokens=16,
+        prompt_tokens=8,
+        requests_per_client={16: 1},
+        bare_repeats=1,
+        openblas=None,
+        peers=False,
+        worker_class="asyncio",
+        busy=0.25,
+        retries=0,
+        trace=False,
+    )
+    text = "\n".join(section_table(section, settings))
+    assert "decode ÷ the bare loop on one torch thread, each paired round: c=16: " in text
+    assert "1.000, 0.800, 1.250 (mean 1.017" in text
+    assert "switches, in order: batches of 16: 1, not 2 (87% of the time per row)" in text
