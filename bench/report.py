@@ -188,8 +188,7 @@ def section_table(section: Section, settings: Settings) -> list[str]:
             )
         if run.tuner:
             lines.append(
-                f"- {run.server}, the thread tuner's switches, in order: "
-                + "; ".join(f"{switch} of the time per row)" for switch in run.tuner)
+                f"- {run.server}, the thread tuner's switches, in order: " + "; ".join(run.tuner)
             )
         if run.note or run.failure:
             lines.append(f"- {run.server}: {run.failure or ''} {run.note}".rstrip())

@@ -116,7 +116,9 @@ REQUESTS_PER_CLIENT = {1: 4, 4: 2, 16: 2, 64: 1}
 PEER_OF = {"mlx": "mlx_lm.server", "transformers": "transformers serve"}
 #: The thread tuner's log line when it switches a batch size's thread count
 #: (``sluiceway.actors.thread_tuner``): the report lists them.
-TUNER_SWITCH = re.compile(r"engine threads for (batches of \d+: \d+, not \d+ \(\d+%)")
+TUNER_SWITCH = re.compile(
+    r"engine threads for (batches of \d+: \d+, not \d+ \(\d+% of the time per row\))"
+)
 
 
 # --- processes --------------------------------------------------------------
@@ -476,18 +478,20 @@ def measure_turn(
         measured = measure()
         key = measured[0].throughput
     else:
-        single_before = single.measure(concurrency) if single is not None else None
+        single_before = single.measure(concurrency)[0] if single is not None else 0.0
         before = bare.measure(concurrency)
         measured = measure()
         after = bare.measure(concurrency)
-        if single is not None and single_before is not None:
-            single_rate = (single_before[0] + single.measure(concurrency)[0]) / 2
-            pair_single(run, concurrency, measured[0], single_rate)
+        if single is not None:
+            single_rate = (single_before + single.measure(concurrency)[0]) / 2
+            ratio, middle = pair(run.single_ratios, run.single_middle, measured[0], single_rate)
+            print(
+                f"  {'one-thread bare':>18} c={concurrency:<3} {single_rate:8.1f} tok/s: "
+                f"decode ÷ it {ratio:.3f} (middle half {middle:.3f})",
+                flush=True,
+            )
         rate, step = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
-        key = measured[0].decode_throughput / rate
-        run.paired_ratios.setdefault(concurrency, []).append(key)
-        middle = measured[0].middle_throughput / rate
-        run.paired_middle.setdefault(concurrency, []).append(middle)
+        key, middle = pair(run.paired_ratios, run.paired_middle, measured[0], rate)
         run.round_bare.setdefault(concurrency, []).append((rate, step))
         print(
             f"  {'bare engine':>18} c={concurrency:<3} {before[0]:8.1f} tok/s before, "
@@ -500,15 +504,15 @@ def measure_turn(
     return key, measured
 
 
-def pair_single(run: ServerRun, concurrency: int, level: Level, rate: float) -> None:
-    """Record a round's decode ÷ the one-thread bare loop (and its middle half)."""
-    run.single_ratios.setdefault(concurrency, []).append(level.decode_throughput / rate)
-    run.single_middle.setdefault(concurrency, []).append(level.middle_throughput / rate)
-    print(
-        f"  {'one-thread bare':>18} c={concurrency:<3} {rate:8.1f} tok/s: decode ÷ it "
-        f"{level.decode_throughput / rate:.3f} (middle half {level.middle_throughput / rate:.3f})",
-        flush=True,
-    )
+def pair(
+    ratios: dict[int, list[float]], middles: dict[int, list[float]], level: Level, rate: float
+) -> tuple[float, float]:
+    """Record a round's decode ÷ a bare loop's ``rate``, whole span and middle
+    half, under the level's concurrency; returns both."""
+    ratio, middle = level.decode_throughput / rate, level.middle_throughput / rate
+    ratios.setdefault(level.concurrency, []).append(ratio)
+    middles.setdefault(level.concurrency, []).append(middle)
+    return ratio, middle
 
 
 def keep_median(run: ServerRun, concurrency: int, turns: list[tuple[float, Measured]]) -> None:

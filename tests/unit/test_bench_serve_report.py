@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 
 from loadgen import Level, Sample
 from report import OURS, Model, Section, ServerRun, Settings, section_table
-from serve import TUNER_SWITCH, pair_single
+from serve import TUNER_SWITCH, pair
 
 from sluiceway.actors.thread_tuner import ThreadTuner
 
@@ -28,7 +28,7 @@ def test_the_tuner_switch_pattern_matches_what_the_tuner_logs(
             tuner.observe(rows, rows * (1e-3 if threads == 1 else 2e-3), steady=True)
     assert tuner.choices == {16: 1}
     found = [m.group(1) for m in TUNER_SWITCH.finditer(caplog.text)]
-    assert found == ["batches of 16: 1, not 2 (50%"]
+    assert found == ["batches of 16: 1, not 2 (50% of the time per row)"]
 
 
 def _level(concurrency: int, seconds_per_token: float, tokens: int = 16) -> Level:
@@ -46,14 +46,13 @@ def _level(concurrency: int, seconds_per_token: float, tokens: int = 16) -> Leve
 def test_rounds_against_the_one_thread_loop_are_reported() -> None:
     run = ServerRun(OURS)
     level = _level(16, 0.004)  # 16 streams at a token every 4 ms: 4,000 tok/s
-    pair_single(run, 16, level, 4000.0)
-    pair_single(run, 16, level, 5000.0)
-    pair_single(run, 16, level, 3200.0)
+    for rate in (4000.0, 5000.0, 3200.0):
+        pair(run.single_ratios, run.single_middle, level, rate)
     assert run.single_ratios[16] == pytest.approx([1.0, 0.8, 1.25])
     run.levels.append(level)
     run.other_cpu.append(0.0)
     run.client_cpu.append(0.1)
-    run.tuner = ["batches of 16: 1, not 2 (87%"]
+    run.tuner = ["batches of 16: 1, not 2 (87% of the time per row)"]
     section = Section("transformers", Model("tiny", Path("."), "tiny", ()), runs=[run])
     settings = Settings(
         concurrency=(16,),
