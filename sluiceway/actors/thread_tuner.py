@@ -32,17 +32,23 @@ from typing import Protocol, runtime_checkable
 
 logger = logging.getLogger(__name__)
 
-#: Steady steps per timed block. A check is a trial of three blocks: the
-#: count in use (its last steps before the check), the other count, and the
-#: count in use again; the other is compared with the mean of the blocks
-#: around it, which cancels a host whose speed drifts steadily over the
-#: trial. The first block is the end of the hold, already steady: a count
-#: timed just after switching back can read faster than it runs for long
-#: (on 27 Nov, two threads that had run for seconds took 3.02-3.14 ms a
-#: step on the tiny model, and 2.51-2.59 in the blocks of a check that had
-#: just switched back to them, level with one thread, so the tuner of
-#: alternating 4-step blocks kept two threads at concurrency 1).
-BLOCK = 16
+#: A timed block is the fewest steady steps that add up to this many
+#: seconds, and at least :data:`BLOCK_STEPS`: its mean's noise depends on
+#: the time it covers more than on its steps, and a block on the slower
+#: count costs its time (16 steps of the tiny model at concurrency 1, 4 of
+#: a compute-bound model at concurrency 16). A check is a trial of three
+#: blocks: the count in use (its last steps before the check), the other
+#: count, and the count in use again; the other is compared with the mean
+#: of the blocks around it, which cancels a host whose speed drifts
+#: steadily over the trial. The first block is the end of the hold, already
+#: steady: a count timed just after switching back can read faster than it
+#: runs for long. Earlier on 28 Nov, two threads that had run for seconds
+#: took 3.02-3.14 ms a step on the tiny model at concurrency 1, and
+#: 2.51-2.59 in the blocks of a check that had just switched back to them,
+#: level with one thread; the tuner of alternating 4-step blocks, each
+#: timed after a switch, kept two.
+BLOCK_SECONDS = 0.05
+BLOCK_STEPS = 4
 #: Seconds of steady steps left untimed after the count changes (at least
 #: one step). A switch takes tens of milliseconds to show its full effect,
 #: and not only in the thread pool's wake-up: after two threads ran, an
@@ -81,6 +87,34 @@ class ThreadedEngine(Protocol):
     def set_threads(self, count: int) -> None: ...
 
 
+@dataclass(slots=True)
+class _Block:
+    """Timed steps: each one's seconds and seconds per row."""
+
+    steps: deque[tuple[float, float]] = field(default_factory=deque)
+    seconds: float = 0.0
+
+    def add(self, seconds: float, rows: int) -> None:
+        self.steps.append((seconds, seconds / rows))
+        self.seconds += seconds
+
+    @property
+    def full(self) -> bool:
+        return len(self.steps) >= BLOCK_STEPS and self.seconds >= BLOCK_SECONDS
+
+    def keep_last(self) -> None:
+        """Drop the oldest steps the block can do without."""
+        while len(self.steps) > BLOCK_STEPS and self.seconds - self.steps[0][0] >= BLOCK_SECONDS:
+            self.seconds -= self.steps.popleft()[0]
+
+    def take_mean(self) -> float:
+        """Seconds per row over the block's steps; the block starts again empty."""
+        mean = statistics.fmean(per_row for _, per_row in self.steps)
+        self.steps.clear()
+        self.seconds = 0.0
+        return mean
+
+
 class _Phase(enum.Enum):
     #: Running on the choice; its latest steady steps are kept.
     HOLD = enum.auto()
@@ -102,9 +136,9 @@ class _Bucket:
     phase: _Phase = _Phase.HOLD
     #: Seconds of steps still to leave untimed after a switch.
     settle: float = 0.0
-    #: The choice's latest steady steps, seconds per row (the first block of a trial).
-    recent: deque[float] = field(default_factory=lambda: deque(maxlen=BLOCK))
-    block: list[float] = field(default_factory=list)
+    #: The choice's latest steady steps (the first block of a trial).
+    recent: _Block = field(default_factory=_Block)
+    block: _Block = field(default_factory=_Block)
     #: The check's block means, seconds per row: choice, other, choice, other, choice.
     means: list[float] = field(default_factory=list)
     #: A check has ended in this bucket.
@@ -156,17 +190,17 @@ class ThreadTuner:
             bucket.settle -= seconds
             return
         if bucket.phase is _Phase.HOLD:
-            bucket.recent.append(seconds / rows)
+            bucket.recent.add(seconds, rows)
+            bucket.recent.keep_last()
             bucket.hold -= seconds
-            if bucket.hold <= 0 and len(bucket.recent) == BLOCK:
-                bucket.means = [statistics.fmean(bucket.recent)]
+            if bucket.hold <= 0 and bucket.recent.full:
+                bucket.means = [bucket.recent.take_mean()]
                 self._switch(bucket, _Phase.OTHER)
             return
-        bucket.block.append(seconds / rows)
-        if len(bucket.block) < BLOCK:
+        bucket.block.add(seconds, rows)
+        if not bucket.block.full:
             return
-        bucket.means.append(statistics.fmean(bucket.block))
-        bucket.block = []
+        bucket.means.append(bucket.block.take_mean())
         if bucket.phase is _Phase.OTHER:
             self._switch(bucket, _Phase.BACK)
             return
@@ -208,7 +242,6 @@ class ThreadTuner:
         # can wait longer.
         clear = all(abs(r - 1) > CLEAR * MARGIN for r in ratios)
         bucket.phase, bucket.means, bucket.decided = _Phase.HOLD, [], True
-        bucket.recent.clear()  # the next trial starts from steps after this one
         if ratio < 1 - MARGIN and all(r < 1 for r in ratios):
             other = self._other(bucket.choice)
             logger.info(

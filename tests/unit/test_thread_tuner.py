@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -35,10 +36,17 @@ def faster_on(best: int, share: float = 0.2) -> Cost:
 #: outlasts this. (The tests of the settling itself use the default.)
 ONE_STEP = 1e-9
 SETTLE = 1
-#: Steps a trial runs on the other count (a settling step, then its block),
-#: and the steps of a whole trial (the same again on the count in use).
-OTHER_STEPS = SETTLE + thread_tuner.BLOCK
-TRIAL = 2 * OTHER_STEPS
+
+
+def block_steps(step_seconds: float) -> int:
+    """Steps in a timed block, when each takes ``step_seconds``."""
+    least = math.ceil(thread_tuner.BLOCK_SECONDS / step_seconds - 1e-9)
+    return max(thread_tuner.BLOCK_STEPS, least)
+
+
+def other_steps(step_seconds: float) -> int:
+    """Steps a trial runs on the other count: a settling step, then its block."""
+    return SETTLE + block_steps(step_seconds)
 
 
 def tuner_of(most: int) -> ThreadTuner:
@@ -51,14 +59,16 @@ def test_a_faster_count_replaces_all_cores_after_one_check() -> None:
     # The first step has no step before it to compare rows with; the next
     # block of steps is the first trial's first reading, then the other
     # count's block and the choice's again; a second trial confirms the win.
-    first = 1 + thread_tuner.BLOCK
+    block = block_steps(16e-3)  # 4 steps of 16 ms and of 19.2
+    first = 1 + block
     assert used[:first] == [2] * first
-    trial = [1] * OTHER_STEPS + [2] * OTHER_STEPS
-    assert used[first : first + 2 * TRIAL] == trial * 2
-    assert used[first + 2 * TRIAL :][:50] == [1] * 50
+    trial = [1] * (SETTLE + block) + [2] * (SETTLE + block)
+    after = first + 2 * len(trial)
+    assert used[first:after] == trial * 2
+    assert used[after:][:50] == [1] * 50
     assert tuner.choices == {16: 1}
     # Later checks time all cores again, and keep the one thread.
-    assert 2 in used[first + 2 * TRIAL + 50 :]
+    assert 2 in used[after + 50 :]
     assert used[-1] == 1
 
 
@@ -70,7 +80,18 @@ def test_all_cores_stay_when_they_are_faster_and_checks_grow_rare() -> None:
     # Holds grow from FIRST_HOLD_SECONDS up to LONGEST_HOLD_SECONDS: the
     # slower count runs one block per check, a small share of the steps.
     assert used.count(3) / len(used) < 0.01
-    assert used[-2000:].count(3) <= OTHER_STEPS
+    assert used[-2000:].count(3) <= other_steps(8 * 1.2e-3)
+
+
+@pytest.mark.parametrize(("rows", "block"), [(1, 50), (4, 13), (64, 4)])
+def test_a_block_covers_its_seconds_in_the_fewest_steps(rows: int, block: int) -> None:
+    """50 ms of steps, and at least four: 50 steps of 1 ms, 13 of 4 ms, 4 of 64 ms."""
+    tuner = tuner_of(2)
+    used = run(tuner, [rows] * (4 * block + 10), faster_on(2, share=0.0))
+    assert block_steps(rows * 1e-3) == block
+    assert used[: 1 + block] == [2] * (1 + block)
+    assert used[1 + block : 1 + block + SETTLE + block] == [1] * (SETTLE + block)
+    assert used[1 + block + SETTLE + block] == 2
 
 
 def test_a_difference_inside_the_margin_keeps_the_choice() -> None:
@@ -113,7 +134,8 @@ def test_a_burst_in_one_trial_does_not_switch() -> None:
     used = run(tuner, [4] * 6000, blocks_on_one_thread([0.5e-3, 1.2e-3]))
     assert tuner.choices == {4: 2}
     ones = [len(list(group)) for count, group in itertools.groupby(used) if count == 1]
-    assert ones == [OTHER_STEPS] * len(ones)
+    # The first block on one thread ran at 2 ms a step, the rest at 4.8.
+    assert ones == [other_steps(2e-3)] + [other_steps(4.8e-3)] * (len(ones) - 1)
 
 
 def test_each_batch_size_bucket_chooses_for_itself() -> None:
@@ -170,7 +192,7 @@ def test_the_faster_count_wins_whatever_the_noise(
     tuner = tuner_of(most)
     used = run(tuner, [rows] * 3000, cost)
     assert tuner.choices == {1 << (rows.bit_length() - 1): best}
-    assert used[-1000:].count(best) >= 1000 - 2 * TRIAL
+    assert used[-1000:].count(best) >= 1000 - 4 * other_steps(rows * 1e-3)
 
 
 def lingering_switch() -> Cost:
@@ -206,7 +228,7 @@ def test_a_switch_settles_before_its_steps_are_timed() -> None:
     assert tuner.choices == {1: 1}
     # Two threads run only in checks: a block after 0.1 s (~30 steps) of
     # settling.
-    assert used[-1000:].count(2) <= 30 + thread_tuner.BLOCK
+    assert used[-1000:].count(2) <= 30 + block_steps(3.4e-3)
     # Timed from the step after the switch, the same steps read two threads
     # as the faster: the choice the tuner made before it settled by time.
     hasty = tuner_of(2)
@@ -217,7 +239,7 @@ def test_a_switch_settles_before_its_steps_are_timed() -> None:
 def switched_back_reads_fast() -> Cost:
     """Two threads that have run for a while take 3.1 ms a step, but for
     0.4 s after one thread ran they take 2.55; one thread takes 2.5 (tiny
-    model, concurrency 1, 2 cores, 27 Nov). A check of alternating blocks,
+    model, concurrency 1, 2 cores, earlier on 28 Nov). A check of alternating blocks,
     each after a switch, read the counts as level and kept two threads."""
     last = [2]
     since = [1.0]
@@ -237,16 +259,17 @@ def test_the_count_in_use_is_first_timed_at_the_end_of_its_hold() -> None:
     tuner = ThreadTuner(2)
     used = run(tuner, [1] * 8000, switched_back_reads_fast())
     assert tuner.choices == {1: 1}
-    assert used[-4000:].count(2) <= 2 * (thread_tuner.BLOCK + 40)
+    assert used[-4000:].count(2) <= 2 * (40 + block_steps(2.55e-3))
 
 
 def test_the_settling_is_measured_in_seconds_of_steps() -> None:
     tuner = ThreadTuner(2, settle_seconds=0.1)
     used = run(tuner, [16] * 200, faster_on(1, share=0.0))  # 16 ms a step
-    first = 1 + thread_tuner.BLOCK
+    block = block_steps(16e-3)
+    first = 1 + block
     # Seven steps (112 ms) on the new count go untimed, then its block.
-    assert used[first : first + 7 + thread_tuner.BLOCK] == [1] * (7 + thread_tuner.BLOCK)
-    assert used[first + 7 + thread_tuner.BLOCK] == 2
+    assert used[first : first + 7 + block] == [1] * (7 + block)
+    assert used[first + 7 + block] == 2
 
 
 def test_a_new_bucket_starts_on_its_nearest_decided_neighbour_and_holds() -> None:
