@@ -59,9 +59,10 @@ BLOCK_STEPS = 4
 #: threads ran, and 2.86-2.97 from then on.
 SETTLE_SECONDS = 0.1
 #: The other count must be faster than the count in use by this share, per
-#: row, to replace it. A win is timed by a second trial: the mean of both
-#: must win, and neither may lose (a burst of load on the host during one
-#: trial's blocks on the count in use reads as a win for the other).
+#: row, to replace it. A win is timed by a second trial of three new blocks:
+#: the mean of both must win, and neither may lose (a burst of load on the
+#: host during one trial's blocks on the count in use reads as a win for
+#: the other).
 MARGIN = 0.03
 #: A check whose trials are all beyond this many margins, on the same side,
 #: is clear: the next one waits longer (fourfold instead of twofold; a
@@ -118,6 +119,8 @@ class _Block:
 class _Phase(enum.Enum):
     #: Running on the choice; its latest steady steps are kept.
     HOLD = enum.auto()
+    #: Timing a block on the choice to open a second trial.
+    BEFORE = enum.auto()
     #: Timing a block on the other count.
     OTHER = enum.auto()
     #: Timing a block on the choice again, to close the trial.
@@ -139,7 +142,8 @@ class _Bucket:
     #: The choice's latest steady steps (the first block of a trial).
     recent: _Block = field(default_factory=_Block)
     block: _Block = field(default_factory=_Block)
-    #: The check's block means, seconds per row: choice, other, choice, other, choice.
+    #: The check's block means, seconds per row: choice, other, choice for
+    #: each trial.
     means: list[float] = field(default_factory=list)
     #: A check has ended in this bucket.
     decided: bool = False
@@ -201,12 +205,14 @@ class ThreadTuner:
         if not bucket.block.full:
             return
         bucket.means.append(bucket.block.take_mean())
-        if bucket.phase is _Phase.OTHER:
-            self._switch(bucket, _Phase.BACK)
+        if bucket.phase is not _Phase.BACK:
+            self._switch(bucket, _Phase.BACK if bucket.phase is _Phase.OTHER else _Phase.OTHER)
             return
         ratios = _ratios(bucket.means)
         if len(ratios) == 1 and ratios[0] < 1 - MARGIN:
-            self._switch(bucket, _Phase.OTHER)  # a win: a second trial confirms it
+            # A win: a second trial, of blocks of its own (one shared with
+            # the first would carry a burst on the host into both).
+            bucket.phase = _Phase.BEFORE
         else:
             self._decide(rows, bucket, ratios)
 
@@ -270,4 +276,4 @@ class ThreadTuner:
 def _ratios(means: list[float]) -> list[float]:
     """Each trial's time per row on the other count over the mean of the
     blocks on the count in use around it."""
-    return [means[i] / ((means[i - 1] + means[i + 1]) / 2) for i in range(1, len(means) - 1, 2)]
+    return [means[i + 1] / ((means[i] + means[i + 2]) / 2) for i in range(0, len(means) - 2, 3)]

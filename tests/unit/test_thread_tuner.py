@@ -58,13 +58,14 @@ def test_a_faster_count_replaces_all_cores_after_one_check() -> None:
     used = run(tuner, [16] * 400, faster_on(1))
     # The first step has no step before it to compare rows with; the next
     # block of steps is the first trial's first reading, then the other
-    # count's block and the choice's again; a second trial confirms the win.
+    # count's block and the choice's again; a second trial, of three blocks
+    # of its own, confirms the win.
     block = block_steps(16e-3)  # 4 steps of 16 ms and of 19.2
     first = 1 + block
     assert used[:first] == [2] * first
     trial = [1] * (SETTLE + block) + [2] * (SETTLE + block)
-    after = first + 2 * len(trial)
-    assert used[first:after] == trial * 2
+    after = first + 2 * len(trial) + block
+    assert used[first:after] == trial + [2] * block + trial
     assert used[after:][:50] == [1] * 50
     assert tuner.choices == {16: 1}
     # Later checks time all cores again, and keep the one thread.
@@ -136,6 +137,33 @@ def test_a_burst_in_one_trial_does_not_switch() -> None:
     ones = [len(list(group)) for count, group in itertools.groupby(used) if count == 1]
     # The first block on one thread ran at 2 ms a step, the rest at 4.8.
     assert ones == [other_steps(2e-3)] + [other_steps(4.8e-3)] * (len(ones) - 1)
+
+
+def test_the_second_trial_times_blocks_of_its_own() -> None:
+    """A burst during the block that closes the first trial reads as a
+    win for the other count; a second trial that opened with that block
+    would read it again."""
+    runs = [0]
+    steps = [0]
+    last = [2]
+    burst = SETTLE + block_steps(4 * 2e-3)  # the closing block, steps of 8 ms
+
+    def cost(_rows: int, threads: int) -> float:
+        if threads != last[0]:
+            runs[0] += 1
+            steps[0] = 0
+        last[0] = threads
+        steps[0] += 1
+        if threads == 1:
+            return 1.1e-3
+        return 2e-3 if runs[0] == 2 and steps[0] <= burst else 1e-3
+
+    tuner = tuner_of(2)
+    used = run(tuner, [4] * 2000, cost)
+    assert tuner.choices == {4: 2}
+    # One thread ran only the checks' blocks: it was never chosen.
+    ones = [len(list(group)) for count, group in itertools.groupby(used) if count == 1]
+    assert max(ones) == other_steps(4 * 1.1e-3)
 
 
 def test_each_batch_size_bucket_chooses_for_itself() -> None:
