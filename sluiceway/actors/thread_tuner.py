@@ -68,6 +68,12 @@ MARGIN = 0.03
 #: is clear: the next one waits longer (fourfold instead of twofold; a
 #: change holds twice the first hold).
 CLEAR = 3
+#: Seconds of other steps (another bucket's, or prefills) after which a
+#: bucket's timed steps are too old to compare with new ones: its check
+#: starts again, from a settling. The benchmark's warm-up wave at
+#: concurrency 16 timed that bucket's first block, and its check went on
+#: half a minute later, after the levels at concurrency 1.
+STALE_SECONDS = 0.5
 #: Seconds of steady steps between checks after a change; doubled each time
 #: a choice holds. In seconds, like the settling: holds of 96 steps (~0.3 s
 #: on the tiny model at concurrency 1) had the tuner of 4-pair checks run on
@@ -111,9 +117,12 @@ class _Block:
     def take_mean(self) -> float:
         """Seconds per row over the block's steps; the block starts again empty."""
         mean = statistics.fmean(per_row for _, per_row in self.steps)
+        self.clear()
+        return mean
+
+    def clear(self) -> None:
         self.steps.clear()
         self.seconds = 0.0
-        return mean
 
 
 class _Phase(enum.Enum):
@@ -147,6 +156,8 @@ class _Bucket:
     means: list[float] = field(default_factory=list)
     #: A check has ended in this bucket.
     decided: bool = False
+    #: The tuner's clock at the end of this bucket's last step.
+    seen: float = 0.0
 
 
 class ThreadTuner:
@@ -168,6 +179,8 @@ class ThreadTuner:
         self._settle_seconds = settle_seconds
         self._buckets: dict[int, _Bucket] = {}
         self._last_rows = 0
+        #: Seconds of every step observed so far (a clock that idle time does not move).
+        self._clock = 0.0
 
     @property
     def choices(self) -> dict[int, int]:
@@ -180,6 +193,8 @@ class ThreadTuner:
         if rows <= 0:
             return 0
         bucket = self._bucket(rows)
+        if self._clock - bucket.seen > STALE_SECONDS:
+            self._restart(bucket)
         return self._other(bucket.choice) if bucket.phase is _Phase.OTHER else bucket.choice
 
     def observe(self, rows: int, seconds: float, *, steady: bool) -> None:
@@ -187,9 +202,13 @@ class ThreadTuner:
         decoded only (no prefill, no cache work)."""
         same = steady and rows > 0 and rows == self._last_rows
         self._last_rows = rows if steady else 0
-        if not same:
+        self._clock += seconds
+        if rows <= 0:
             return
         bucket = self._bucket(rows)
+        bucket.seen = self._clock
+        if not same:
+            return
         if bucket.settle > 0:
             bucket.settle -= seconds
             return
@@ -215,6 +234,16 @@ class ThreadTuner:
             bucket.phase = _Phase.BEFORE
         else:
             self._decide(rows, bucket, ratios)
+
+    def _restart(self, bucket: _Bucket) -> None:
+        """Other steps ran between this bucket's: its timed steps are from
+        another stretch of load, and its count may have changed with theirs.
+        A check under way starts again; the hold's last steps are dropped."""
+        if bucket.phase is not _Phase.HOLD:
+            bucket.phase, bucket.hold, bucket.means = _Phase.HOLD, 0.0, []
+            bucket.block.clear()
+        bucket.recent.clear()
+        bucket.settle = self._settle_seconds
 
     def _switch(self, bucket: _Bucket, phase: _Phase) -> None:
         bucket.phase, bucket.settle = phase, self._settle_seconds

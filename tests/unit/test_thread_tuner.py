@@ -178,6 +178,21 @@ def test_each_batch_size_bucket_chooses_for_itself() -> None:
     assert tuner.threads_for(31) == 2
 
 
+def test_a_check_left_for_other_steps_starts_again() -> None:
+    """A check whose bucket gave way to another's steps for longer than
+    STALE_SECONDS does not compare blocks from before with blocks after:
+    it starts again from a settling and a new block on its choice."""
+    tuner = tuner_of(2)
+    block = block_steps(4 * 1.2e-3)  # batches of 4 on two threads, the slower
+    used = run(tuner, [4] * (1 + block + SETTLE + 2), faster_on(1))
+    assert used[-3:] == [1, 1, 1]  # the check's block on one thread, under way
+    gap = round(2 * thread_tuner.STALE_SECONDS / 1e-3)
+    run(tuner, [1] * gap, faster_on(1))  # 1 ms steps of another bucket
+    again = run(tuner, [4] * 40, faster_on(1))
+    assert again[: 1 + SETTLE + block] == [2] * (1 + SETTLE + block)
+    assert again[1 + SETTLE + block] == 1
+
+
 def test_steps_that_are_not_steady_are_not_timed() -> None:
     """A prefill, a cache edit or a batch that just changed size says
     nothing about the decode rate: even absurd times there move nothing."""
