@@ -104,3 +104,53 @@ def thread_ticks(pid: int) -> dict[int, int]:
             continue
         ticks[int(tid)] = int(rest[11]) + int(rest[12])
     return ticks
+
+
+@dataclass(frozen=True, slots=True)
+class Steadiness:
+    """How alike the times of one fixed piece of work were, in ms."""
+
+    best: float
+    median: float
+    p90: float
+
+    @classmethod
+    def of(cls, times: list[float]) -> Steadiness:
+        """From the times in seconds (nearest-rank quantiles)."""
+        ordered = sorted(times)
+
+        def at(q: float) -> float:
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
+
+        return cls(at(0.0), at(0.5), at(0.9))
+
+    def line(self) -> str:
+        return (
+            f"a fixed Python loop took {self.best:.1f} ms at best, {self.median:.1f} at the "
+            f"median ({self.median / self.best:.2f}x) and {self.p90:.1f} at p90 "
+            f"({self.p90 / self.best:.2f}x)"
+        )
+
+
+def _fixed_work(iterations: int = 200_000) -> int:
+    total = 0
+    for i in range(iterations):
+        total += i * i
+    return total
+
+
+def steadiness(samples: int = 30, pause: float = 0.2) -> Steadiness:
+    """Time a fixed pure-Python loop ``samples`` times, ``pause`` seconds
+    apart. On a shared virtual machine the host's speed swings in ways
+    ``/proc`` does not show (another guest on the same physical core): on
+    28 Nov this loop took 10.4-14.5 ms at best and 18.5-19.1 at the median
+    with nothing else running, and the bare loop read up to 1.9x apart
+    before and after one round. The spread says how far one round's ratio
+    can be trusted."""
+    times: list[float] = []
+    for _ in range(samples):
+        started = time.perf_counter()
+        _fixed_work()
+        times.append(time.perf_counter() - started)
+        time.sleep(pause)
+    return Steadiness.of(times)

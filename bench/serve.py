@@ -40,6 +40,11 @@ The default run takes about 25 minutes on a 2-core host, ``--quick`` about 3.
 The host is measured for other load (``bench/hostload.py``): a measurement
 waits for a quiet host and is repeated while other processes were busy
 (``--busy``, ``--retries``); the *other CPU* column shows what remained.
+Load that ``/proc`` cannot see (another guest on the same physical core of
+a virtual machine) shows in the header's *host steadiness*: a fixed Python
+loop timed 30 times at the start of the run and at its end (about 7 s
+each); a median far above the best means the host ran slow much of the
+time, and single rounds are not to be trusted.
 
 The thread tuner's switches (``sluiceway.actors.thread_tuner``) are read
 from our server's log into the report. ``--one-thread-bare`` (transformers)
@@ -85,7 +90,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from hostload import Span, thread_ticks, wait_quiet
+from hostload import Span, steadiness, thread_ticks, wait_quiet
 from loadgen import Level, Target, prompts_of_length, run_level, wait_healthy
 from models import parameter_count, serving_model, shipped_corpus, synthetic_corpus
 from report import OURS, Model, Section, ServerRun, Settings, render
@@ -761,6 +766,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     engines = ["transformers", "mlx"] if args.engine == "both" else [args.engine]
     started = time.perf_counter()
+    probes = 10 if args.quick else 30
+    steady_before = steadiness(probes)
+    print(f"host steadiness: {steady_before.line()}", flush=True)
     needed = prompts_per_server(settings)
     models = [make_model(key, settings, needed) for key in args.models]
 
@@ -806,6 +814,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         loop.close()
 
     elapsed = time.perf_counter() - started
+    steady_after = steadiness(probes)
     header = (
         f"# sluiceway serving benchmark\n\n"
         f"{'Quick smoke run. ' if args.quick else ''}"
@@ -823,7 +832,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"decode ÷ bare, the peer's with the median tok/s; *ahead of* the peer is the median "
         f"of the per-round ratios. "
         f"Host: {os.cpu_count()} CPUs; {mlx_note}; Hypercorn worker "
-        f"{settings.worker_class}. Run took {elapsed / 60:.1f} min."
+        f"{settings.worker_class}. Run took {elapsed / 60:.1f} min. "
+        f"Host steadiness (nothing else of ours running): at the start, "
+        f"{steady_before.line()}; at the end, {steady_after.line()}."
     )
     if settings.trace and "--engine-process" not in settings.server_args:
         header += (
