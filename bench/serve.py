@@ -42,9 +42,9 @@ waits for a quiet host and is repeated while other processes were busy
 (``--busy``, ``--retries``); the *other CPU* column shows what remained.
 Load that ``/proc`` cannot see (another guest on the same physical core of
 a virtual machine) shows in the header's *host steadiness*: a fixed Python
-loop timed 30 times at the start of the run and at its end (about 7 s
-each); a median far above the best means the host ran slow much of the
-time, and single rounds are not to be trusted.
+loop timed 30 times (10 with ``--quick``) at the start of the run and at
+its end (about 7 s each); a median far above the best means the host ran
+slow much of the time, and single rounds are not to be trusted.
 
 The thread tuner's switches (``sluiceway.actors.thread_tuner``) are read
 from our server's log into the report. ``--one-thread-bare`` (transformers)
