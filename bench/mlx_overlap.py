@@ -10,12 +10,17 @@ a time, in one process:
   the host reads the current token, so the Python that builds a step runs
   while the previous one computes.
 
-Prints ms per step and the ratio at each batch size. Not wired into the
-server: the engine reads each step's logits on the host before the next step
-is built (see the closing notes of title 6 for what it would take).
+Prints ms per step and the ratio at each batch size.
+
+``--engine`` compares the same two ways through sluiceway's mlx engine
+instead, as the server's decoding ahead drives it (each step's whole logits
+read on the host, each row's argmax taken there):
+``MlxEngine(queue_ahead=False)`` against the default, which queues the step
+after each one as mlx-lm's generator does.
 
     LD_PRELOAD=.../libopenblas.so.0 OPENBLAS_THREAD_TIMEOUT=8 \\
         .venv/bin/python bench/mlx_overlap.py --model DIR [--batches 1 4 16] [--rounds 20]
+        [--engine]
 """
 
 from __future__ import annotations
@@ -73,6 +78,39 @@ def loops(model: Any, vocab: int, batch: int, prompt: int) -> dict[str, Step]:
     return {"sync": sync_step, "overlapped": overlapped_step}
 
 
+def engine_loops(model_dir: Path, batch: int, prompt: int) -> dict[str, Step]:
+    """The two ways through the engine; each step returns the tokens fed to
+    the next one (each row's argmax, read on the host)."""
+    import numpy as np
+
+    from sluiceway.engines.loader import resolve_model
+    from sluiceway.engines.mlx_engine import MlxEngine
+
+    source = resolve_model(str(model_dir))
+    vocab = int(source.vocab_size)
+    steps: dict[str, Step] = {}
+    for name, queue_ahead in (("engine", False), ("engine, queued ahead", True)):
+        engine = MlxEngine(source, queue_ahead=queue_ahead)
+        prompts = rows(batch, prompt, vocab)
+        tokens = {
+            slot: int(np.argmax(engine.prefill(slot, ids)[-1])) for slot, ids in enumerate(prompts)
+        }
+        steps[name] = _engine_step(engine, tokens)
+    return steps
+
+
+def _engine_step(engine: Any, tokens: dict[int, int]) -> Step:
+    state = {"tokens": tokens}
+
+    def step() -> list[list[int]]:
+        result = engine.start_decode_chained(state["tokens"])()
+        picks = result.logits.argmax(axis=-1).tolist()
+        state["tokens"] = dict(zip(result.slots, picks, strict=True))
+        return [[int(pick)] for pick in picks]
+
+    return step
+
+
 def measure(steps: dict[str, Step], rounds: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(WARM_UP_TURNS + rounds):
@@ -90,15 +128,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=20, help="turns per loop and batch")
+    parser.add_argument(
+        "--engine",
+        action="store_true",
+        help="through sluiceway's mlx engine, without and with queue_ahead",
+    )
     args = parser.parse_args(argv)
     from mlx_lm.utils import load_model
 
     model, config = load_model(args.model)
     vocab = int(config["vocab_size"])
-    print("batch | sync ms/step | overlapped ms/step | overlapped speed ÷ sync")
+    first, second = ("engine", "engine, queued ahead") if args.engine else ("sync", "overlapped")
+    print(f"batch | {first} ms/step | {second} ms/step | {second} speed ÷ {first}")
     for batch in args.batches:
-        step_time = measure(loops(model, vocab, batch, args.prompt), args.rounds)
-        sync, overlapped = step_time["sync"], step_time["overlapped"]
+        if args.engine:
+            pair = engine_loops(args.model, batch, args.prompt)
+        else:
+            pair = loops(model, vocab, batch, args.prompt)
+        step_time = measure(pair, args.rounds)
+        sync, overlapped = step_time[first], step_time[second]
         print(
             f"{batch:5d} | {sync * 1e3:12.2f} | {overlapped * 1e3:18.2f} | {sync / overlapped:.3f}"
         )

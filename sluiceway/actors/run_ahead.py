@@ -66,7 +66,7 @@ from sluiceway.actors.engine_work import (
     packs,
     pick_first,
 )
-from sluiceway.engines.base import DecodeResult, Engine
+from sluiceway.engines.base import ChainingEngine, DecodeResult, Engine
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class RunAhead:
             handover()
             return
         try:
-            finish = self._engine.start_decode(tokens)
+            finish = self._start_decode(plan, tokens)
         except Exception:
             # The plan will run the decode itself and report what fails.
             logger.exception("decoding ahead failed")
@@ -175,6 +175,17 @@ class RunAhead:
             logger.exception("decoding ahead failed")
             with contextlib.suppress(Exception):  # the plan will fail on its own
                 self._engine.undo_decode()
+
+    def _start_decode(self, plan: StepPlan, tokens: dict[int, int]) -> Callable[[], DecodeResult]:
+        """Start the decode taken ahead; where the engine can, with the step
+        after it queued too, when that step is foreseeable: every row takes its
+        argmax (no draws, no masks) and no row joins (a new request's
+        sampling is not known here)."""
+        engine = self._engine
+        foreseeable = not plan.draws and not plan.masks and tokens.keys() == plan.decode.keys()
+        if foreseeable and isinstance(engine, ChainingEngine) and engine.chains:
+            return engine.start_decode_chained(tokens)
+        return engine.start_decode(tokens)
 
     def _pack(
         self, tokens: dict[int, int] | None, works: list[PrefillWork]

@@ -160,6 +160,25 @@ class Engine(Protocol):
 
 
 @runtime_checkable
+class ChainingEngine(Protocol):
+    """An engine that can queue the step after a decode before that decode is
+    read (mlx: the device computes while Python builds the next graph)."""
+
+    @property
+    def chains(self) -> bool:
+        """Whether :meth:`start_decode_chained` queues the step after (else
+        it is :meth:`Engine.start_decode`)."""
+        ...
+
+    def start_decode_chained(self, tokens: Mapping[int, int]) -> Callable[[], DecodeResult]:
+        """:meth:`Engine.start_decode`, and the step after it queued at once,
+        every row fed its argmax. A later :meth:`Engine.start_decode` (or
+        this) that names the same rows with those tokens takes that step over;
+        any other call behaves as if it had never been queued."""
+        ...
+
+
+@runtime_checkable
 class PackingEngine(Protocol):
     """An engine that can prefill prompt chunks inside a decode step's forward pass."""
 

@@ -11,6 +11,16 @@ cache builds a padding mask and keeps per-row offsets every step, which cost
 merged into a ``BatchKVCache`` when a second row joins, and taken back out
 when the batch is down to one row again.
 
+A greedy step is queued ahead (:meth:`MlxEngine.start_decode_chained`, as
+mlx-lm's own generator does): with a step's graph built and queued, the
+engine builds the next one at once, each row fed the argmax of the step
+before, still on the device, and queues it too. The device then computes that
+step while the host reads this one's logits, the server plans, and the next
+graph is built, instead of idling through all of that. The next
+:meth:`~MlxEngine.start_decode` takes the queued step over when it names the
+same rows with those tokens; otherwise it is trimmed off the caches first, as
+if it had never been built (docs/architecture.md, "Decoding ahead").
+
 Prefix-cache entries are plain arrays ``[1, kv_heads, length, head_dim]`` per
 layer, copied out of a slot's cache (never views of it: a view would keep the
 slot's whole buffer alive and stop mlx from updating it in place). A restored
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -52,8 +63,28 @@ PREFILL_STEP = 512
 PROCESS_ENVIRONMENT = {"OPENBLAS_THREAD_TIMEOUT": "8"}
 
 
+@dataclass(frozen=True, slots=True)
+class _Queued:
+    """A decode step built and queued ahead of its call."""
+
+    #: The running rows it decodes, in the batch's order.
+    order: tuple[int, ...]
+    #: Each row's input: its argmax in the step before (``[rows]``, lazy).
+    tokens: Any
+    #: Its logits, ``[rows, vocab]``, float32 (lazy).
+    logits: Any
+
+    def rows(self, mx: Any, keep: list[int]) -> _Queued:
+        """The same step, with only the rows at ``keep``."""
+        indices = mx.array(keep)
+        order = tuple(self.order[i] for i in keep)
+        return _Queued(order, self.tokens[indices], self.logits[indices])
+
+
 class MlxEngine:
-    def __init__(self, source: ModelSource) -> None:
+    def __init__(self, source: ModelSource, *, queue_ahead: bool = True) -> None:
+        """``queue_ahead=False``: :meth:`start_decode_chained` queues nothing
+        (what ``bench/mlx_overlap.py --engine`` compares against)."""
         import mlx.core as mx
         from mlx_lm.utils import load_model
 
@@ -64,10 +95,16 @@ class MlxEngine:
         #: a single row runs, a ``BatchKVCache`` per layer otherwise.
         self._batch: list[Any] | None = None
         self._order: list[int] = []
+        #: The step queued ahead, if any; its position is in the caches.
+        self._queued: _Queued | None = None
+        #: Queued steps taken over by the call they foresaw, and trimmed off.
+        self.queued_taken = 0
+        self.queued_dropped = 0
         #: Prefix-cache entries, by the ids the scheduler's index gives them:
         #: per layer, keys and values.
         self._entries: dict[int, list[tuple[Any, Any]]] = {}
         on_gpu = mx.default_device() == mx.gpu
+        self._queue_ahead = queue_ahead
         self._info = EngineInfo(
             name="mlx",
             device="gpu" if on_gpu else "cpu",
@@ -81,6 +118,10 @@ class MlxEngine:
     @property
     def info(self) -> EngineInfo:
         return self._info
+
+    @property
+    def chains(self) -> bool:
+        return self._queue_ahead
 
     def prefill(self, slot: int, token_ids: Sequence[int], *, all_logits: bool = False) -> Logits:
         from mlx_lm.models.cache import make_prompt_cache
@@ -110,6 +151,14 @@ class MlxEngine:
         return self.start_decode(tokens)()
 
     def start_decode(self, tokens: Mapping[int, int]) -> Callable[[], DecodeResult]:
+        return self._start(tokens, chain=False)
+
+    def start_decode_chained(self, tokens: Mapping[int, int]) -> Callable[[], DecodeResult]:
+        """:meth:`start_decode`, then the step after it queued at once, each
+        row fed its argmax (see the module's docstring), when :attr:`chains`."""
+        return self._start(tokens, chain=self._queue_ahead)
+
+    def _start(self, tokens: Mapping[int, int], *, chain: bool) -> Callable[[], DecodeResult]:
         mx = self._mx
         # Checked before anything changes, so a bad call leaves the batch intact.
         missing = set(self._order) - tokens.keys()
@@ -118,11 +167,17 @@ class MlxEngine:
         unknown = [s for s in tokens if s not in self._order and s not in self._pending]
         if unknown:
             raise ValueError(f"slots {unknown} were never prefilled")
-        self._join_new(tokens)
-        inputs = mx.array([tokens[slot] for slot in self._order])[:, None]
-        logits = self._model(inputs, cache=self._batch)[:, -1, :].astype(mx.float32)
-        mx.async_eval(logits)
+        logits = self._take_queued(tokens)
+        if logits is None:
+            self._join_new(tokens)
+            logits = self._queue_step(mx.array([tokens[slot] for slot in self._order])[:, None])
         order = tuple(self._order)
+        if chain:
+            picks = mx.argmax(logits, axis=-1)
+            # Its own target, so that reading it waits for it alone, not for
+            # the step queued on it.
+            mx.async_eval(picks)
+            self._queued = _Queued(order, picks, self._queue_step(picks[:, None]))
 
         def finish() -> DecodeResult:
             mx.eval(logits)  # waits with the GIL released
@@ -130,12 +185,42 @@ class MlxEngine:
 
         return finish
 
+    def _queue_step(self, inputs: Any) -> Any:
+        """Build one decode step of the running batch and start computing it."""
+        mx = self._mx
+        logits = self._model(inputs, cache=self._batch)[:, -1, :].astype(mx.float32)
+        mx.async_eval(logits)
+        return logits
+
+    def _take_queued(self, tokens: Mapping[int, int]) -> Any:
+        """The queued step's logits when ``tokens`` is that step (the same rows,
+        each with its argmax); otherwise its position leaves the caches."""
+        queued, self._queued = self._queued, None
+        if queued is None:
+            return None
+        if len(tokens) == len(queued.order):
+            fed = np.asarray(queued.tokens).tolist()
+            if all(
+                tokens.get(slot) == token for slot, token in zip(queued.order, fed, strict=True)
+            ):
+                self.queued_taken += 1
+                return queued.logits
+        self.queued_dropped += 1
+        self._trim(1)
+        return None
+
+    def _trim(self, positions: int) -> None:
+        assert self._batch is not None
+        for layer in self._batch:
+            if layer.trim(positions) != positions:
+                raise ValueError("the cache cannot take back a position")
+
     def undo_decode(self) -> None:
         if self._batch is None:
             raise ValueError("no decode to undo")
-        for layer in self._batch:
-            if layer.trim(1) != 1:
-                raise ValueError("the cache cannot take back a position")
+        # The queued step's position goes too: it followed the one undone.
+        self._trim(2 if self._queued is not None else 1)
+        self._queued = None
 
     def free(self, slot: int) -> None:
         if self._pending.pop(slot, None) is not None or slot not in self._order:
@@ -144,8 +229,11 @@ class MlxEngine:
         self._order.pop(self._order.index(slot))
         if not keep:
             self._batch = None
+            self._queued = None
             return
         assert self._batch is not None
+        if self._queued is not None:  # the other rows' queued step stays under way
+            self._queued = self._queued.rows(self._mx, keep)
         if len(keep) == 1:
             self._batch = [layer.extract(keep[0]) for layer in self._batch]
             return
@@ -191,6 +279,7 @@ class MlxEngine:
     def close(self) -> None:
         self._pending.clear()
         self._batch = None
+        self._queued = None
         self._order.clear()
         self._entries.clear()
 

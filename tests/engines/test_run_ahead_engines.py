@@ -101,6 +101,25 @@ async def test_steps_decoded_ahead_equal_steps_run_plainly(
     engine: Engine, tiny_model: ModelSource
 ) -> None:
     plain = make_engine(engine.info.name, tiny_model, device="auto", dtype="auto")
+    await _decode_ahead_like_plain(engine, plain)
+
+
+@pytest.mark.anyio
+async def test_steps_queued_ahead_equal_steps_run_plainly(tiny_model: ModelSource) -> None:
+    """The mlx engine queues the step after the one decoded ahead: the steady
+    steps are taken over, and nothing changes against an engine that does not."""
+    pytest.importorskip("mlx.core")
+    from sluiceway.engines.mlx_engine import MlxEngine
+
+    engine = MlxEngine(tiny_model)
+    try:
+        await _decode_ahead_like_plain(engine, MlxEngine(tiny_model, queue_ahead=False))
+        assert engine.queued_taken >= 4
+    finally:
+        engine.close()
+
+
+async def _decode_ahead_like_plain(engine: Engine, plain: Engine) -> None:
     thread = EngineThread()
     stepping = SteppingThread(engine, thread)
     try:
