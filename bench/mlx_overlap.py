@@ -3,12 +3,12 @@
 Two greedy decode loops over the same mlx-lm model take turns, a few steps at
 a time, in one process:
 
-* ``sync``: the bare loop's way (and, in effect, the engine's): build a step,
-  evaluate it, read the token, build the next;
-* ``overlapped``: ``mlx_lm``'s generator's way: the argmax stays on the
-  device, the next step is built from it and queued (``async_eval``) before
-  the host reads the current token, so the Python that builds a step runs
-  while the previous one computes.
+* ``sync``: build a step, evaluate it, read the token, build the next (the
+  bare loop's way, and the engine's, until 28 Nov);
+* ``overlapped``: ``mlx_lm``'s generator's way, and ``bench/bare.py``'s
+  since: the argmax stays on the device, the next step is built from it and
+  queued (``async_eval``) before the host reads the current token, so the
+  Python that builds a step runs while the previous one computes.
 
 Prints ms per step and the ratio at each batch size.
 
