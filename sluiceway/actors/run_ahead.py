@@ -87,6 +87,9 @@ class RunAhead:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._packs = packs(engine)
+        #: The engine, when it queues the step after a foreseeable one
+        #: (checked once: a protocol's isinstance is slow).
+        self._chaining = engine if isinstance(engine, ChainingEngine) and engine.chains else None
         self._ahead: _Ahead | None = None
         #: The last plan's deferred prefills, to run in the step decoded ahead.
         self._deferred: list[PrefillWork] = []
@@ -181,11 +184,10 @@ class RunAhead:
         after it queued too, when that step is foreseeable: every row takes its
         argmax (no draws, no masks) and no row joins (a new request's
         sampling is not known here)."""
-        engine = self._engine
         foreseeable = not plan.draws and not plan.masks and tokens.keys() == plan.decode.keys()
-        if foreseeable and isinstance(engine, ChainingEngine) and engine.chains:
-            return engine.start_decode_chained(tokens)
-        return engine.start_decode(tokens)
+        if self._chaining is not None and foreseeable:
+            return self._chaining.start_decode_chained(tokens)
+        return self._engine.start_decode(tokens)
 
     def _pack(
         self, tokens: dict[int, int] | None, works: list[PrefillWork]

@@ -491,3 +491,55 @@ def test_a_burst_of_prompts_is_packed_into_as_few_passes_as_fit() -> None:
         assert theirs.greedy is not None
         assert mine.greedy.tolist() == theirs.greedy.tolist()
     assert engine.histories == plain.histories
+
+
+class ChainingHistoryEngine(HistoryEngine):
+    """Records which way each decode ahead was started."""
+
+    def __init__(self, chains: bool = True) -> None:
+        super().__init__()
+        self.chains = chains
+        self.starts: list[str] = []
+
+    def start_decode(self, tokens: Mapping[int, int]) -> Callable[[], DecodeResult]:
+        self.starts.append("plain")
+        return super().start_decode(tokens)
+
+    def start_decode_chained(self, tokens: Mapping[int, int]) -> Callable[[], DecodeResult]:
+        self.starts.append("chained")
+        return super().start_decode(tokens)
+
+
+def _step_ahead(runner: RunAhead, plan: StepPlan) -> StepOutcome:
+    outcome = runner.execute(plan)
+    runner.run_ahead(plan, outcome)
+    return outcome
+
+
+def test_only_a_foreseeable_step_is_queued_after_the_one_ahead() -> None:
+    """The step after the one decoded ahead is foreseeable when every row
+    takes its argmax and no row joins: not with a drawn row, a mask, or a
+    prompt whose row joins the step ahead."""
+    engine = ChainingHistoryEngine()
+    runner = RunAhead(engine)
+    engine.prefill(0, [1, 2])
+    outcome = _step_ahead(runner, StepPlan(decode={0: 3}, greedy=True))
+    assert engine.starts == ["chained"]
+    assert outcome.decode_greedy is not None
+    picked = int(outcome.decode_greedy[0])
+    draw = Draw.of(SamplingParams(temperature=1.0), 0.5)
+    outcome = _step_ahead(runner, StepPlan(decode={0: picked}, greedy=True, draws={0: draw}))
+    assert outcome.decode_greedy is not None
+    picked = int(outcome.decode_greedy[0])
+    masked = {0: pack(np.ones(VOCAB, dtype=bool))}
+    outcome = _step_ahead(runner, StepPlan(decode={0: picked}, greedy=True, masks=masked))
+    assert outcome.decode_greedy is not None
+    joining = PrefillWork(request_id="r1", slot=1, tokens=(4, 5), final=True)
+    plan = StepPlan(prefills=(joining,), decode={0: int(outcome.decode_greedy[0])}, greedy=True)
+    _step_ahead(runner, plan)
+    assert engine.starts == ["chained", "plain", "plain", "plain"]
+    # An engine that can queue but does not (``chains`` off) is never asked to.
+    quiet = ChainingHistoryEngine(chains=False)
+    quiet.prefill(0, [1, 2])
+    _step_ahead(RunAhead(quiet), StepPlan(decode={0: 3}, greedy=True))
+    assert quiet.starts == ["plain"]
