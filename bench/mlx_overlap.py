@@ -26,6 +26,7 @@ after each one as mlx-lm's generator does.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -134,22 +135,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="through sluiceway's mlx engine, without and with queue_ahead",
     )
     args = parser.parse_args(argv)
-    from mlx_lm.utils import load_model
-
-    model, config = load_model(args.model)
-    vocab = int(config["vocab_size"])
     first, second = ("engine", "engine, queued ahead") if args.engine else ("sync", "overlapped")
+    if args.engine:
+        make = functools.partial(engine_loops, args.model)
+    else:  # the engine loads the model itself
+        from mlx_lm.utils import load_model
+
+        model, config = load_model(args.model)
+        make = functools.partial(loops, model, int(config["vocab_size"]))
     print(f"batch | {first} ms/step | {second} ms/step | {second} speed ÷ {first}")
     for batch in args.batches:
-        if args.engine:
-            pair = engine_loops(args.model, batch, args.prompt)
-        else:
-            pair = loops(model, vocab, batch, args.prompt)
-        step_time = measure(pair, args.rounds)
-        sync, overlapped = step_time[first], step_time[second]
-        print(
-            f"{batch:5d} | {sync * 1e3:12.2f} | {overlapped * 1e3:18.2f} | {sync / overlapped:.3f}"
-        )
+        step_time = measure(make(batch, args.prompt), args.rounds)
+        before, after = step_time[first], step_time[second]
+        print(f"{batch:5d} | {before * 1e3:12.2f} | {after * 1e3:18.2f} | {before / after:.3f}")
 
 
 if __name__ == "__main__":

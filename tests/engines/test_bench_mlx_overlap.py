@@ -11,7 +11,7 @@ from sluiceway.engines.loader import ModelSource
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 
-from mlx_overlap import loops, main
+from mlx_overlap import engine_loops, loops, main
 
 
 def test_both_loops_decode_the_same_greedy_tokens(tiny_model: ModelSource) -> None:
@@ -33,3 +33,17 @@ def test_the_report_has_a_row_per_batch(
     lines = capsys.readouterr().out.splitlines()
     assert [line.split("|")[0].strip() for line in lines[1:]] == ["1", "2"]
     assert all(float(line.split("|")[-1]) > 0 for line in lines[1:])
+
+
+def test_both_engine_loops_decode_the_same_greedy_tokens(
+    tiny_model: ModelSource, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--engine``: the engine with and without the queued step decode alike."""
+    steps = engine_loops(tiny_model.path, batch=3, prompt=9)
+    plain = [steps["engine"]() for _ in range(10)]
+    queued = [steps["engine, queued ahead"]() for _ in range(10)]
+    assert queued == plain
+    main(["--model", str(tiny_model.path), "--batches", "2", "--rounds", "1", "--engine"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("batch | engine ms/step | engine, queued ahead ms/step")
+    assert [line.split("|")[0].strip() for line in lines[1:]] == ["2"]
