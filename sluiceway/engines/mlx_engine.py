@@ -31,6 +31,7 @@ reallocates, so the entries themselves are never written to.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,8 +48,11 @@ from sluiceway.engines.base import (
     SplitKV,
     config_max_context,
 )
+from sluiceway.engines.blas import OpenBlasThreads, find_openblas, requested_count
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.memory import host_available_bytes
+
+logger = logging.getLogger(__name__)
 
 #: Prompt positions per forward pass while prefilling, to bound peak memory.
 PREFILL_STEP = 512
@@ -82,9 +86,21 @@ class _Queued:
 
 
 class MlxEngine:
-    def __init__(self, source: ModelSource, *, queue_ahead: bool = True) -> None:
+    def __init__(
+        self,
+        source: ModelSource,
+        *,
+        queue_ahead: bool = True,
+        threads: int = 0,
+        blas: OpenBlasThreads | None = None,
+    ) -> None:
         """``queue_ahead=False``: :meth:`start_decode_chained` queues nothing
-        (what ``bench/mlx_overlap.py --engine`` compares against)."""
+        (what ``bench/mlx_overlap.py --engine`` compares against).
+
+        ``threads`` (``--engine-threads``; 0: OpenBLAS's own count) and the
+        thread tuning apply where the CPU backend runs on OpenBLAS
+        (:mod:`sluiceway.engines.blas`); ``blas`` stands in for the
+        OpenBLAS found in the process."""
         import mlx.core as mx
         from mlx_lm.utils import load_model
 
@@ -105,6 +121,7 @@ class MlxEngine:
         self._entries: dict[int, list[tuple[Any, Any]]] = {}
         on_gpu = mx.default_device() == mx.gpu
         self._queue_ahead = queue_ahead
+        self._blas, self._tunable = self._blas_threads(on_gpu, threads, blas)
         self._info = EngineInfo(
             name="mlx",
             device="gpu" if on_gpu else "cpu",
@@ -113,11 +130,48 @@ class MlxEngine:
             max_context=config_max_context(config),
             kv_bytes_per_token=self._bytes_per_token(),
             free_memory_bytes=_free_memory(mx, on_gpu),
+            threads=self._blas.count() if self._blas is not None else 0,
         )
+
+    @staticmethod
+    def _blas_threads(
+        on_gpu: bool, threads: int, blas: OpenBlasThreads | None
+    ) -> tuple[OpenBlasThreads | None, bool]:
+        """OpenBLAS's controls when the CPU backend runs on it, with the count
+        asked for applied, and whether the count is left to the tuner."""
+        found = None if on_gpu else blas or find_openblas()
+        if found is None:
+            if threads:
+                logger.warning(
+                    "the mlx engine ignores --engine-threads %d: no OpenBLAS in this process",
+                    threads,
+                )
+            return None, False
+        asked = requested_count(threads)
+        if asked:
+            found.set_count(asked)
+        logger.info("mlx engine: OpenBLAS on %d threads", found.count())
+        return found, not asked and found.count() >= 2
 
     @property
     def info(self) -> EngineInfo:
         return self._info
+
+    @property
+    def tunable(self) -> bool:
+        """Whether OpenBLAS's thread count is the engine's to choose: OpenBLAS
+        loaded, no ``--engine-threads`` or thread variable, 2 threads or more."""
+        return self._tunable
+
+    def set_threads(self, count: int) -> None:
+        """Compute the next steps' matrix products on ``count`` OpenBLAS
+        threads (:mod:`sluiceway.actors.thread_tuner` picks the count)."""
+        if self._blas is None:
+            return
+        # A step queued ahead may be computing on mlx's CPU thread: the count
+        # changes between BLAS calls, not under one.
+        self._mx.synchronize()
+        self._blas.set_count(count)
 
     @property
     def chains(self) -> bool:

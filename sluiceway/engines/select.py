@@ -107,8 +107,9 @@ def make_engine(
     by :func:`choose_engine`; a resolved name is not logged again).
 
     ``device``, ``dtype`` and ``threads`` (0: the default) apply to
-    transformers; mlx picks its own device (Metal if present) and threads,
-    and runs the checkpoint's dtype.
+    transformers; mlx picks its own device (Metal if present) and runs the
+    checkpoint's dtype, and ``threads`` is its OpenBLAS's count where its CPU
+    backend runs on OpenBLAS (:mod:`sluiceway.engines.blas`).
     """
     name = choice if choice in ("mlx", "transformers") else choose_engine(choice)
     if name == "transformers":
@@ -117,11 +118,9 @@ def make_engine(
         return TransformersEngine(source, device=device, dtype=dtype, threads=threads)
     if device != "auto" or dtype != "auto":
         logger.warning("the mlx engine ignores --device %s and --dtype %s", device, dtype)
-    if threads:
-        logger.warning("the mlx engine ignores --engine-threads %d", threads)
     from sluiceway.engines.mlx_engine import MlxEngine
 
-    return MlxEngine(source)
+    return MlxEngine(source, threads=threads)
 
 
 def _metal_available() -> bool:
