@@ -97,10 +97,9 @@ class MlxEngine:
         """``queue_ahead=False``: :meth:`start_decode_chained` queues nothing
         (what ``bench/mlx_overlap.py --engine`` compares against).
 
-        ``threads`` (``--engine-threads``; 0: OpenBLAS's own count) and the
-        thread tuning apply where the CPU backend runs on OpenBLAS
-        (:mod:`sluiceway.engines.blas`); ``blas`` stands in for the
-        OpenBLAS found in the process."""
+        ``threads`` (``--engine-threads``; 0: OpenBLAS's own count) applies
+        where the CPU backend runs on OpenBLAS (:mod:`sluiceway.engines.blas`);
+        ``blas`` stands in for the OpenBLAS found in the process."""
         import mlx.core as mx
         from mlx_lm.utils import load_model
 
@@ -121,7 +120,6 @@ class MlxEngine:
         self._entries: dict[int, list[tuple[Any, Any]]] = {}
         on_gpu = mx.default_device() == mx.gpu
         self._queue_ahead = queue_ahead
-        self._blas, self._tunable = self._blas_threads(on_gpu, threads, blas)
         self._info = EngineInfo(
             name="mlx",
             device="gpu" if on_gpu else "cpu",
@@ -130,15 +128,20 @@ class MlxEngine:
             max_context=config_max_context(config),
             kv_bytes_per_token=self._bytes_per_token(),
             free_memory_bytes=_free_memory(mx, on_gpu),
-            threads=self._blas.count() if self._blas is not None else 0,
+            threads=self._blas_count(on_gpu, threads, blas),
         )
 
     @staticmethod
-    def _blas_threads(
-        on_gpu: bool, threads: int, blas: OpenBlasThreads | None
-    ) -> tuple[OpenBlasThreads | None, bool]:
-        """OpenBLAS's controls when the CPU backend runs on it, with the count
-        asked for applied, and whether the count is left to the tuner."""
+    def _blas_count(on_gpu: bool, threads: int, blas: OpenBlasThreads | None) -> int:
+        """OpenBLAS's thread count when the CPU backend runs on it (0: no
+        OpenBLAS), with the count asked for applied.
+
+        The count is not tuned by timing, as torch's is: on 2 cores, in
+        turns with OpenBLAS's own count, a tuning build read +0.04 of the
+        bare loop at concurrency 16 on the tiny model and -0.06 on the large
+        one, its checks' steps on the slower count costing the large model
+        about what one thread gains the tiny one (bench/pertoken-results.md,
+        "Twentieth part")."""
         found = None if on_gpu else blas or find_openblas()
         if found is None:
             if threads:
@@ -146,32 +149,17 @@ class MlxEngine:
                     "the mlx engine ignores --engine-threads %d: no OpenBLAS in this process",
                     threads,
                 )
-            return None, False
+            return 0
         asked = requested_count(threads)
         if asked:
             found.set_count(asked)
-        logger.info("mlx engine: OpenBLAS on %d threads", found.count())
-        return found, not asked and found.count() >= 2
+        count = found.count()
+        logger.info("mlx engine: OpenBLAS on %d threads", count)
+        return count
 
     @property
     def info(self) -> EngineInfo:
         return self._info
-
-    @property
-    def tunable(self) -> bool:
-        """Whether OpenBLAS's thread count is the engine's to choose: OpenBLAS
-        loaded, no ``--engine-threads`` or thread variable, 2 threads or more."""
-        return self._tunable
-
-    def set_threads(self, count: int) -> None:
-        """Compute the next steps' matrix products on ``count`` OpenBLAS
-        threads (:mod:`sluiceway.actors.thread_tuner` picks the count)."""
-        if self._blas is None:
-            return
-        # A step queued ahead may be computing on mlx's CPU thread: the count
-        # changes between BLAS calls, not under one.
-        self._mx.synchronize()
-        self._blas.set_count(count)
 
     @property
     def chains(self) -> bool:

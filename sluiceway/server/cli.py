@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         "process on the CPU, the thread on a GPU)",
         "engine_threads": "CPU threads of the transformers engine (0: $OMP_NUM_THREADS, else "
         "every core, and in a child process each batch size runs on every core or one "
-        "fewer, whichever its steps measure faster; docs/architecture.md)",
+        "fewer, whichever its steps measure faster; docs/architecture.md); for mlx, "
+        "OpenBLAS's thread count where its CPU backend runs on OpenBLAS (0: OpenBLAS's own)",
         "host": "address to bind",
         "port": "port to bind",
         "worker_class": "Hypercorn worker class",

@@ -52,7 +52,8 @@ class ServerConfig:
     #: a daemonic worker process, which may not start one).
     engine_process: bool | None = None
     #: The transformers engine's CPU threads (0: ``OMP_NUM_THREADS``, else
-    #: every core this process may run on, tuned in a child process).
+    #: every core this process may run on, tuned in a child process); for
+    #: mlx, OpenBLAS's count where its CPU backend runs on OpenBLAS.
     engine_threads: int = 0
     host: str = "127.0.0.1"
     port: int = 8000
