@@ -3,14 +3,14 @@
 mlx's CPU backend hands its matrix products to whatever BLAS the process
 resolved ``cblas_sgemm`` to: the reference BLAS bundled with ``mlx[cpu]``
 (one thread), or OpenBLAS where it is preloaded (``LD_PRELOAD``, as
-``bench/serve.py`` does). OpenBLAS computes on every core by default. On a small host that is the
-trade the transformers engine's thread count makes (docs/architecture.md,
-"Engine threads"): on the tiny default model a second OpenBLAS thread does
-not speed the bare loop (2.2-2.9 ms a step at batch 1 and 4.4-5.9 at 16, on
-one thread or two, 29 Nov) and in the server it takes the core the event
-loop needs; on the large benchmark model it makes the bare loop's steps
-20-25% shorter. ``--engine-threads`` sets the count, through OpenBLAS's own
-``openblas_set_num_threads``.
+``bench/serve.py`` does). OpenBLAS computes on every core by default. On a
+small host that is the trade the transformers engine's thread count makes
+(docs/architecture.md, "Engine threads"): on the tiny default model a
+second OpenBLAS thread does not speed the bare loop (2.2-2.9 ms a step at
+batch 1 and 4.4-5.9 at 16, on one thread or two, 29 Nov) and in the server
+it takes the core the event loop needs; on the large benchmark model it
+makes the bare loop's steps 20-25% shorter. ``--engine-threads`` sets the
+count, through OpenBLAS's own ``openblas_set_num_threads``.
 
 OpenBLAS is found by its exported symbols in the process's global scope,
 so nothing is loaded here: without OpenBLAS (the bundled reference BLAS,

@@ -138,7 +138,7 @@ class MlxEngine:
 
         The count is not tuned by timing, as torch's is: on 2 cores, in
         turns with OpenBLAS's own count, a tuning build read +0.04 of the
-        bare loop at concurrency 16 on the tiny model and -0.06 on the large
+        bare loop at concurrency 16 on the tiny model and -0.08 on the large
         one, its checks' steps on the slower count costing the large model
         about what one thread gains the tiny one (bench/pertoken-results.md,
         "Twentieth part")."""
