@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -85,9 +86,13 @@ def no_count_variables(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("no_count_variables")
-def test_the_engine_sets_the_count_asked_for(tiny_model: ModelSource) -> None:
+def test_the_engine_sets_the_count_asked_for(
+    tiny_model: ModelSource, caplog: pytest.LogCaptureFixture
+) -> None:
     scope, found = _fake_openblas(2)
-    engine = MlxEngine(tiny_model, blas=found)
+    with caplog.at_level(logging.WARNING, logger="sluiceway.engines.mlx_engine"):
+        engine = MlxEngine(tiny_model, blas=found)
+    assert "reference BLAS" not in caplog.text
     assert engine.info.threads == 2
     assert scope.count == 2
 
@@ -109,6 +114,8 @@ def test_without_openblas_there_is_no_count(
         engine = MlxEngine(tiny_model, threads=2)
     assert engine.info.threads == 0
     assert "ignores --engine-threads 2" in caplog.text
+    # On Linux the bundled BLAS is a reference one: the log says how to do better.
+    assert ("reference BLAS" in caplog.text) is (sys.platform == "linux")
 
 
 @pytest.mark.skipif(not DEBIAN_OPENBLAS, reason="Debian's OpenBLAS is not installed")
