@@ -20,13 +20,8 @@ Accelerate on macOS, or Metal) there is no count to set.
 from __future__ import annotations
 
 import ctypes
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-#: What OpenBLAS reads for its thread count at start-up, first match wins.
-COUNT_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,17 +51,3 @@ def find_openblas(scope: Any = None) -> OpenBlasThreads | None:
     setter.restype = None
     setter.argtypes = [ctypes.c_int]
     return OpenBlasThreads(getter, setter)
-
-
-def requested_count(wanted: int = 0, environ: Mapping[str, str] | None = None) -> int:
-    """The count asked for: ``wanted`` (``--engine-threads``), else the first
-    of :data:`COUNT_VARIABLES` that holds a positive number (as OpenBLAS
-    reads them); 0 for none."""
-    if wanted > 0:
-        return wanted
-    variables = os.environ if environ is None else environ
-    for name in COUNT_VARIABLES:
-        value = variables.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 0

@@ -49,7 +49,7 @@ from sluiceway.engines.base import (
     SplitKV,
     config_max_context,
 )
-from sluiceway.engines.blas import OpenBlasThreads, find_openblas, requested_count
+from sluiceway.engines.blas import OpenBlasThreads, find_openblas
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.memory import host_available_bytes
 
@@ -165,9 +165,10 @@ class MlxEngine:
                     threads,
                 )
             return 0
-        asked = requested_count(threads)
-        if asked:
-            found.set_count(asked)
+        # Without --engine-threads, OpenBLAS has read its own variables as it
+        # loaded; nothing is tuned, so there is nothing to set.
+        if threads:
+            found.set_count(threads)
         count = found.count()
         logger.info("mlx engine: OpenBLAS on %d threads", count)
         return count

@@ -14,7 +14,7 @@ import pytest
 
 from sluiceway.actors.engine_process import EngineSpec, ProcessEngine
 from sluiceway.actors.thread_tuner import ThreadedEngine
-from sluiceway.engines.blas import COUNT_VARIABLES, find_openblas, requested_count
+from sluiceway.engines.blas import find_openblas
 from sluiceway.engines.loader import ModelSource
 
 pytest.importorskip("mlx.core")
@@ -68,20 +68,9 @@ def test_openblas_is_found_by_both_of_its_thread_calls() -> None:
     assert find_openblas(object()) is None
 
 
-def test_the_count_asked_for_reads_as_openblas_reads_it() -> None:
-    assert requested_count(3, {"OPENBLAS_NUM_THREADS": "1"}) == 3
-    assert requested_count(0, {}) == 0
-    for name in COUNT_VARIABLES:
-        assert requested_count(0, {name: "2"}) == 2
-    # The first variable holding a positive number wins, as in OpenBLAS.
-    assert requested_count(0, {"OPENBLAS_NUM_THREADS": "0", "OMP_NUM_THREADS": "3"}) == 3
-    assert requested_count(0, {"GOTO_NUM_THREADS": "5", "OMP_NUM_THREADS": "3"}) == 5
-    assert requested_count(0, {"OMP_NUM_THREADS": "two"}) == 0
-
-
 @pytest.fixture
 def no_count_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in COUNT_VARIABLES:
+    for name in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -120,7 +109,7 @@ def test_without_openblas_there_is_no_count(
 
 @pytest.mark.skipif(not DEBIAN_OPENBLAS, reason="Debian's OpenBLAS is not installed")
 @pytest.mark.usefixtures("no_count_variables")
-def test_an_engine_process_on_openblas_tunes_its_threads(tiny_model: ModelSource) -> None:
+def test_an_engine_process_on_openblas_reports_its_threads(tiny_model: ModelSource) -> None:
     """With OpenBLAS preloaded into the engine's child, the child finds it and
     reports its count: OpenBLAS's own, or the one ``--engine-threads`` asks
     for. It is not tuned."""
