@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,9 @@ from serve import find_openblas
 
 from sluiceway.engines.select import process_environment
 
+#: What the thread tuner logs when it chooses a count
+#: (``sluiceway.actors.thread_tuner``).
+TUNER_SWITCH = "engine threads for batches of"
 #: The fields of ``/proc/<pid>/task/<tid>/sched`` this reads.
 SCHED_FIELDS = ("nr_involuntary_switches", "nr_voluntary_switches", "se.nr_migrations")
 
@@ -133,10 +137,11 @@ def main() -> None:
     command = [sys.executable, "-m", "sluiceway", "serve", "--engine", args.engine]
     command += ["--port", str(args.port), "--max-num-seqs", str(max(args.concurrency))]
     command += ["--model", args.model] if args.model else []
+    log = tempfile.TemporaryFile("w+")  # noqa: SIM115  # read and closed below
     server = subprocess.Popen(
         command,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=log,
         env=server_environment(args.engine),
         start_new_session=True,
     )
@@ -152,6 +157,11 @@ def main() -> None:
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
+        log.seek(0)
+        switches = [line.strip() for line in log if TUNER_SWITCH in line]
+        log.close()
+    # The thread count decides whose core a second torch thread takes.
+    print("\n".join(["", "The thread tuner's choices:", *switches] if switches else []))
 
 
 if __name__ == "__main__":
