@@ -142,10 +142,12 @@ def find_openblas() -> str | None:
     return None
 
 
-def env_for(engine: str, settings: Settings) -> dict[str, str]:
+def env_for(engine: str, openblas: str | None) -> dict[str, str]:
+    """The environment a process running ``engine`` starts with: ``openblas``
+    (a path, or None) preloaded for mlx."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    if engine == "mlx" and settings.openblas:
-        env["LD_PRELOAD"] = settings.openblas
+    if engine == "mlx" and openblas:
+        env["LD_PRELOAD"] = openblas
         # What our server gives its engine process, given to the bare loop and
         # the peer as well, so that the comparison is of the same BLAS set-up.
         env = process_environment(engine) | env
@@ -278,7 +280,7 @@ class BareEngine:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=env_for(section.engine, settings)
+            env=env_for(section.engine, settings.openblas)
             | ({"OMP_NUM_THREADS": "1"} if one_thread else {}),
         )
         self._read()  # "ready", once the model is loaded and warm
@@ -390,7 +392,7 @@ def start_server(
         command,
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=env_for(section.engine, settings)
+        env=env_for(section.engine, settings.openblas)
         | (dict(settings.server_env) if server == OURS else {}),
         cwd=tempfile.gettempdir(),
     )

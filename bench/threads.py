@@ -28,10 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from child_profile import child_of, level
+from hostload import thread_ticks
 from loadgen import wait_healthy
-from serve import find_openblas
-
-from sluiceway.engines.select import process_environment
+from serve import env_for, find_openblas
 
 #: What the thread tuner logs when it chooses a count
 #: (``sluiceway.actors.thread_tuner``).
@@ -51,21 +50,18 @@ class ThreadTimes:
 
 def read_threads(pid: int) -> dict[int, ThreadTimes]:
     """Every thread of ``pid``: CPU seconds (user + system) and scheduler counts."""
-    ticks = os.sysconf("SC_CLK_TCK")
+    per_second = os.sysconf("SC_CLK_TCK")
     found: dict[int, ThreadTimes] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    for tid, ticks in thread_ticks(pid).items():
+        task = Path(f"/proc/{pid}/task/{tid}")
         try:
-            stat = (task / "stat").read_text()
             sched = (task / "sched").read_text().splitlines()
             name = (task / "comm").read_text().strip()
         except OSError:  # the thread ended meanwhile
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()
         counts = {k.strip(): v for k, _, v in (line.partition(":") for line in sched)}
-        found[int(task.name)] = ThreadTimes(
-            name,
-            (int(fields[11]) + int(fields[12])) / ticks,
-            tuple(int(float(counts[f])) for f in SCHED_FIELDS),
+        found[tid] = ThreadTimes(
+            name, ticks / per_second, tuple(int(float(counts[f])) for f in SCHED_FIELDS)
         )
     return found
 
@@ -118,14 +114,6 @@ def measure(port: int, pids: dict[str, int], concurrency: int, requests: int) ->
     return table
 
 
-def server_environment(engine: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    openblas = find_openblas() if engine == "mlx" else None
-    if openblas:
-        env["LD_PRELOAD"] = openblas
-    return process_environment(engine) | env
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=["transformers", "mlx"], default="transformers")
@@ -142,7 +130,7 @@ def main() -> None:
         command,
         stdout=subprocess.DEVNULL,
         stderr=log,
-        env=server_environment(args.engine),
+        env=env_for(args.engine, find_openblas()),
         start_new_session=True,
     )
     try:
