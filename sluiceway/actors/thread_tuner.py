@@ -220,11 +220,11 @@ def _replaces(ratio: float, wins: int, pairs: int, *, first: bool) -> bool:
     incumbent: its starting count is the default or a neighbouring bucket's
     choice, not a finding for its batches, so the faster median wins. With
     the margin there too, the tiny model at concurrency 1 kept two threads
-    through its first check in some starts (808 of its
-    first 1,000 steps in one instrumented run, and one server 34 s before
-    its next check switched), because one noisy pair of four blocks the
-    switch. Later checks keep the margin: a choice a check made is replaced
-    only when the other count is clearly faster."""
+    through its first check in some starts (808 of its first 1,000 steps
+    in one instrumented run; one server switched only after 34 s), because
+    one noisy pair of four blocks the switch. Later checks keep the margin:
+    a choice a check made is replaced only when the other count is clearly
+    faster."""
     if first:
         return ratio < 1
     return ratio < 1 - MARGIN and wins >= pairs - 1
