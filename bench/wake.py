@@ -2,10 +2,9 @@
 
 With ``--engine-process`` each step ends with the child writing its reply
 to a socket that the server's event loop waits on. The write returns only
-after the kernel has woken the waiting thread; on a virtual machine whose
-idle vCPUs halt (no halt polling in the guest), that wake-up crosses to
-another vCPU and the writer pays for it, on the path from one forward pass
-to the next. The bare decode loop pays nothing of the kind.
+after the kernel has woken the waiting thread, so the writer pays for the
+wake-up, on the path from one forward pass to the next. The bare decode
+loop pays nothing of the kind.
 
 This measures it without a model. A child process stands in for the engine:
 it reads a plan, stays busy for ``--work`` µs (the forward pass), then
