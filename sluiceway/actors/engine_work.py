@@ -329,8 +329,8 @@ def execute(
     plan's decode if it is still to run."""
     if not (plan.cache_ops or plan.frees or plan.prefills):
         # The steady step: nothing but a decode. Skipping the machinery
-        # below saves the engine's process ~5 µs a step, on the path
-        # between two forward passes.
+        # below saves the engine's process ~4 µs a step (17.7 -> 13.8 µs
+        # median at batch 1), on the path between two forward passes.
         return _decoded(engine, plan, StepOutcome(prefills=[], decode=decoded))
     cache_error = _edit_cache(engine, plan.cache_ops)
     for slot in plan.frees:
