@@ -41,13 +41,6 @@ def engine_child(server: RunningServer) -> int:
     raise AssertionError("the server has no engine process")
 
 
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
 def chat(server: RunningServer, **fields: Any) -> dict[str, Any]:
     return {
         "model": server.model,

@@ -22,7 +22,7 @@ from hypothesis.errors import Unsatisfiable
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.harness import RunningServer, serving, start_server
-from tests.e2e.ops import SilentReader, Stream, chat, load, rss_kib, wait_for
+from tests.e2e.ops import SilentReader, Stream, chat, load, wait_for
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 from faults import Burst, run_burst, seconds_to_idle
@@ -285,25 +285,38 @@ def texts_of(sse: bytes) -> dict[int, str]:
     return texts
 
 
+def kv_used(server: RunningServer) -> tuple[int, float]:
+    """The KV cache in use, as /v1/loads counts it (tokens) and as the
+    Prometheus gauge reads it (utilisation, 0 to 1)."""
+    loads = httpx.get(server.base_url + "/v1/loads", headers=server.auth, timeout=10).json()
+    return loads["loads"][0]["num_used_tokens"], scrape(server)["vllm:kv_cache_usage_perc"]
+
+
 def test_a_stalled_reader_pauses_alone_and_resumes_where_it_left_off(
     ops_server: RunningServer,
 ) -> None:
     """A stalled reader's request leaves the batch (its KV cache freed) while
     others run; once read, it is rebuilt from the prompt and the tokens so
     far, and its greedy text is the same as unpaused."""
-    before = rss_kib(ops_server.process.pid)
+    beside_body = chat(ops_server, max_tokens=10, ignore_eos=True)
+    prompt = post(ops_server, beside_body).json()["usage"]["prompt_tokens"]
     reader = SilentReader(ops_server, chat(ops_server, max_tokens=RESUMED, **HEAVY))
     try:
         wait_for(lambda: load(ops_server)["paused_requests"] == 1, 120, "the request to pause")
-        # Its row stays out of the batch while another stream runs (which
-        # ends well), and memory stays put.
-        beside = Stream(ops_server, chat(ops_server, max_tokens=10, ignore_eos=True)).start()
-        seen = [load(ops_server)]
+        # Paused, it holds no KV cache: its rows left the batch and were freed.
+        assert kv_used(ops_server) == (0, 0.0)
+        # It stays out of the batch while another stream runs (which ends
+        # well), and the KV held is only that stream's: its prompt and its
+        # tokens so far.
+        beside = Stream(ops_server, beside_body).start()
+        seen, held = [load(ops_server)], [kv_used(ops_server)]
         while not beside.done.wait(0.05):
             seen.append(load(ops_server))
+            held.append(kv_used(ops_server))
         assert beside.ended_well
         assert all(s["paused_requests"] == 1 and s["running_sequences"] <= 1 for s in seen), seen
-        assert rss_kib(ops_server.process.pid) - before < 30_000
+        assert max(tokens for tokens, _ in held) <= prompt + 10, (prompt, held)
+        assert kv_used(ops_server) == (0, 0.0)
         got = texts_of(dechunk(reader.read_all(120)))
     finally:
         reader.close()
