@@ -111,10 +111,11 @@ test-latest: $(STAMP)
 	$(MAKE) browser
 	$(LATEST)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-# Regenerate the lock after a change to pyproject.toml or lock.in, keeping
-# every other pin; `make lock-upgrade` moves every pin to its newest release.
+# Regenerate the lock (with the test, torch and mutate extras) after a change
+# to pyproject.toml or lock.in, keeping every other pin; `make lock-upgrade`
+# moves every pin to its newest release.
 UV_COMPILE = $(BIN)/uv pip compile --quiet --universal --python-version 3.11 \
-	pyproject.toml lock.in --extra test --extra torch -o $(LOCK)
+	pyproject.toml lock.in --extra test --extra torch --extra mutate -o $(LOCK)
 
 lock: $(STAMP)
 	$(PIP) install --quiet -c $(LOCK) uv

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -172,6 +174,17 @@ def test_a_request_id_is_taken_or_minted_and_logged_without_secrets(
     assert re.search(r" ttft=\d+\.\d{3} ", line)
     assert secret_prompt not in log
     assert KEY not in log
+
+
+def test_a_stream_that_fails_raises_in_wait() -> None:
+    """The helper's thread keeps a stream's error; the test that waits gets it."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    server = cast(RunningServer, SimpleNamespace(api_url=f"http://127.0.0.1:{port}/v1", auth={}))
+    stream = Stream(server, {"model": "m"}).start()
+    with pytest.raises(AssertionError, match="the stream failed: ConnectError"):
+        stream.wait(30)
 
 
 HISTOGRAMS = (
