@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.harness import OTHER_PLACEMENT, RunningServer, ServerPool
 
@@ -167,6 +168,8 @@ def test_a_tiny_budget_evicts_and_stays_correct(server: RunningServer, variant: 
     tiny = variant(server.engine, "--prefix-cache-bytes", TINY_BUDGET)
     plain = variant(server.engine, "--no-prefix-cache")
     systems = [system_prompt(sentences=18) for _ in range(3)]
+    before = cache_metrics(tiny)
+    assert before["sluiceway:prefix_cache_capacity_bytes"] == int(TINY_BUDGET)
     seen = []
     for turn in range(2):
         for system in systems:
@@ -175,7 +178,27 @@ def test_a_tiny_budget_evicts_and_stays_correct(server: RunningServer, variant: 
             assert_same(reply, chat(plain, system, user, logprobs=True))
             assert reply["usage"]["prompt_tokens"] > 200
             seen.append(cached(reply))
+            held = cache_metrics(tiny)["sluiceway:prefix_cache_bytes"]
+            assert 0 < held <= int(TINY_BUDGET), held
+    after = cache_metrics(tiny)
+    # Six keeps of ~220 tokens in room for ~300: each evicts the one before.
+    evicted = (
+        after["sluiceway:prefix_cache_evicted_tokens_total"]
+        - before["sluiceway:prefix_cache_evicted_tokens_total"]
+    )
+    assert evicted >= 5 * 200, (evicted, seen)
     assert max(seen) <= 300
+
+
+def cache_metrics(server: RunningServer) -> dict[str, float]:
+    """The prefix cache's series of /metrics, by sample name."""
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if "prefix_cache" in sample.name
+    }
 
 
 def test_the_engine_thread_reuses_prefixes_alike(server: RunningServer, variant: Variant) -> None:
