@@ -163,11 +163,17 @@ def test_no_prefix_cache_reports_nothing_cached(server: RunningServer, variant: 
 
 
 def test_a_tiny_budget_evicts_and_stays_correct(server: RunningServer, variant: Variant) -> None:
-    """Three conversations of ~220 tokens take turns in room for ~300: each
-    keep evicts another's, and the replies never change."""
+    """Three conversations of ~210 tokens take turns in room for ~300: the
+    cache never holds more than its budget, keeps make room by evicting,
+    and the replies never change.
+
+    Only the first conversation's prompt is ever kept, though: the others
+    share the chat template's opening with it, which pins its whole node
+    (tests/unit/test_prefix_cache.py pins that limitation with a strict
+    xfail); what is evicted is each reply's generated tokens."""
     tiny = variant(server.engine, "--prefix-cache-bytes", TINY_BUDGET)
     plain = variant(server.engine, "--no-prefix-cache")
-    systems = [system_prompt(sentences=18) for _ in range(3)]
+    systems = [system_prompt(sentences=12) for _ in range(3)]
     before = cache_metrics(tiny)
     assert before["sluiceway:prefix_cache_capacity_bytes"] == int(TINY_BUDGET)
     seen = []
@@ -176,17 +182,17 @@ def test_a_tiny_budget_evicts_and_stays_correct(server: RunningServer, variant: 
             user = f"Question {turn}?"
             reply = chat(tiny, system, user, logprobs=True)
             assert_same(reply, chat(plain, system, user, logprobs=True))
-            assert reply["usage"]["prompt_tokens"] > 200
+            # Small enough to be kept: a prompt over the budget never is.
+            assert 200 < reply["usage"]["prompt_tokens"] < 300, reply["usage"]
             seen.append(cached(reply))
             held = cache_metrics(tiny)["sluiceway:prefix_cache_bytes"]
             assert 0 < held <= int(TINY_BUDGET), held
     after = cache_metrics(tiny)
-    # Six keeps of ~220 tokens in room for ~300: each evicts the one before.
     evicted = (
         after["sluiceway:prefix_cache_evicted_tokens_total"]
         - before["sluiceway:prefix_cache_evicted_tokens_total"]
     )
-    assert evicted >= 5 * 200, (evicted, seen)
+    assert evicted > 0, seen
     assert max(seen) <= 300
 
 

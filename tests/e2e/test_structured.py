@@ -116,7 +116,7 @@ def response_format(schema: dict[str, Any]) -> dict[str, Any]:
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schema=schemas, seed=st.integers(0, 2**16))
-def test_replies_validate_against_hypothesis_schemas(
+def test_replies_validate_against_hypothesis_schemas_few_examples(
     server: RunningServer, schema: dict[str, Any], seed: int
 ) -> None:
     fields = {
@@ -170,7 +170,7 @@ def completion_texts(server: RunningServer, body: dict[str, Any]) -> tuple[str, 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pattern=st.sampled_from(PATTERNS), options=OPTIONS, seed=st.integers(0, 2**16))
-def test_replies_match_hypothesis_regexes_and_choices(
+def test_replies_match_hypothesis_regexes_and_choices_few_examples(
     server: RunningServer, pattern: str, options: list[str], seed: int
 ) -> None:
     """Whole and streamed alike (seeded: the same text), on every engine."""
