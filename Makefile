@@ -58,9 +58,14 @@ check-lock: $(TORCH_STAMP)
 # they fail.
 CHROMIUM := /usr/bin/chromium
 
+# `make test` runs the two apt-get installs (chromium, OpenBLAS) side by side:
+# one at a time under this lock (and dpkg's own, waited for, not failed on).
+APT_LOCK := /tmp/sluiceway-apt.lock
+APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y
+
 browser:
 	@if [ ! -x $(CHROMIUM) ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; \
+		flock $(APT_LOCK) sh -c 'apt-get update && $(APT_INSTALL) chromium'; \
 	fi
 
 # The real client CLIs the client tests drive (tests/clients/*/), each at the
@@ -77,7 +82,7 @@ clients: $(STAMP)
 		$(BIN)/python scripts/npm_installed.py $$dir || (cd $$dir && $(NPM_CI)) || (cd $$dir && $(NPM_CI)) || exit 1; \
 	done
 
-pytest: $(TORCH_STAMP) browser clients
+pytest: $(TORCH_STAMP) browser clients openblas
 	$(PYTEST) $(PYTEST_ARGS)
 
 # pytest's exit code 5 (nothing collected) fails this target like any other.
@@ -85,7 +90,7 @@ pytest: $(TORCH_STAMP) browser clients
 # side (torch's wheel, the npm clients, chromium, ruff; then mypy's cold run
 # beside the lock check); the suite runs alone after them, on every core.
 test:
-	$(MAKE) --no-print-directory --output-sync=target -j3 lint typecheck check-lock clients browser
+	$(MAKE) --no-print-directory --output-sync=target -j3 lint typecheck check-lock clients browser openblas
 	$(MAKE) --no-print-directory pytest
 
 # Only the tests that drive a real client CLI (tests/clients; `make test` runs
@@ -129,12 +134,13 @@ lock-upgrade: $(STAMP)
 # The serving benchmark preloads Debian's OpenBLAS into every mlx process
 # (mlx's bundled reference BLAS is many times slower on the CPU): installed
 # here when it is missing and apt-get can (as root); without it the report
-# says mlx ran on its bundled BLAS.
+# says mlx ran on its bundled BLAS. `make test` installs it too, for
+# tests/engines/test_mlx_blas.py (which fails without it under CI=true).
 OPENBLAS := $(wildcard /usr/lib/*/openblas-pthread/libopenblas.so.0)
 
 openblas:
 	@if [ -z "$(OPENBLAS)" ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y libopenblas0-pthread; \
+		flock $(APT_LOCK) sh -c 'apt-get update && $(APT_INSTALL) libopenblas0-pthread'; \
 	fi
 
 bench: $(TORCH_STAMP) openblas
