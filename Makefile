@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: serve test lint typecheck check-lock browser clients pytest test-clients test-latest lock lock-upgrade bench openblas clean
+.PHONY: serve test lint typecheck check-lock browser clients pytest test-clients test-latest lock lock-upgrade bench openblas mutate clean
 
 # The build tools come first, from the lock, so that the editable install
 # builds without fetching unlocked ones into an isolated environment.
@@ -99,6 +99,19 @@ test:
 test-clients: $(TORCH_STAMP) clients
 	$(PYTEST) -m client $(PYTEST_ARGS)
 
+# Mutation testing of the parsers (scripts/mutate.py, docs/testing.md): not
+# part of CI, it takes a while. mutmut comes from the `mutate` extra, at the
+# lock's pins, so that `make test` never installs it. `make mutate
+# ARGS=stop` runs one module; `ARGS=--score` only prints the last scores.
+MUTATE_STAMP := $(VENV)/.installed-mutate
+
+$(MUTATE_STAMP): $(STAMP)
+	$(PIP) install --quiet -c $(LOCK) --no-build-isolation -e '.[test,mutate]'
+	touch $(MUTATE_STAMP)
+
+mutate: $(MUTATE_STAMP)
+	$(BIN)/python scripts/mutate.py $(ARGS)
+
 # Types and the suite on the newest releases that pyproject.toml allows, in a
 # virtualenv of their own, ignoring the lock: a registry release that breaks
 # us shows here first. Not part of CI (a release must not block a landing).
@@ -147,4 +160,4 @@ bench: $(TORCH_STAMP) openblas
 	$(BIN)/python bench/serve.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(LATEST) .pytest_cache .mypy_cache .ruff_cache tests/clients/*/node_modules
+	rm -rf $(VENV) $(LATEST) .pytest_cache .mypy_cache .ruff_cache mutants tests/clients/*/node_modules
