@@ -55,8 +55,16 @@ def equivalents() -> dict[str, str]:
 
 def run(module: str) -> None:
     jobs = os.environ.get("MUTATE_JOBS", "2")
+    # A tenth of each property test's examples (tests/parsers/harness.py):
+    # still dozens per test, and every mutant runs every test that reaches it.
+    environment = {**os.environ, "SLUICEWAY_SOAK": os.environ.get("SLUICEWAY_SOAK", "0.1")}
     pattern = f"sluiceway.parsers.{module}.*"
-    subprocess.run([str(MUTMUT), "run", pattern, "--max-children", jobs], cwd=ROOT, check=True)
+    subprocess.run(
+        [str(MUTMUT), "run", pattern, "--max-children", jobs],
+        cwd=ROOT,
+        check=True,
+        env=environment,
+    )
 
 
 def results() -> dict[str, str]:
