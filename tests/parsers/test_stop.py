@@ -7,8 +7,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sluiceway.parsers.events import Channel, Span, content, dropped
+from sluiceway.parsers.pipeline import ChoicePipeline
 from sluiceway.parsers.reasoning import qwen3
 from sluiceway.parsers.stop import InvalidStopError, StopMatcher
+from sluiceway.protocol.tokens import TokenTable
 
 from .harness import (
     Tokenized,
@@ -209,3 +211,14 @@ def test_after_the_match_upstream_markup_keeps_its_label() -> None:
     )
     assert out[-1] == dropped(1, "</think>", Channel.REASONING)
     assert matcher.feed([content(2, "b")]) == [dropped(2, "b", None)]
+
+
+def test_a_pipeline_a_stop_string_ended_refuses_more_tokens() -> None:
+    table = TokenTable((b"a", b"STOP", b"b"), frozenset())
+    matcher = StopMatcher(["STOP"])
+    pipeline = ChoicePipeline(table, [matcher], stop=matcher)
+    pipeline.feed(0)
+    pipeline.feed(1)
+    assert pipeline.stopped_by == "STOP"
+    with pytest.raises(RuntimeError, match=r"^the pipeline was fed after a stop string ended it$"):
+        pipeline.feed(2)
