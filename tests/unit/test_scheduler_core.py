@@ -81,6 +81,9 @@ class Output:
     closed: int = 0
     #: Whether its reader is too far behind (``Backlog.full``).
     full: bool = False
+    #: A reader that falls behind after each step that brought it tokens,
+    #: and catches up after the next.
+    slow: bool = False
     cancelled: bool = False
     #: Choices the output actor ended (a stop string, say).
     ended: set[int] = field(default_factory=set)
@@ -165,8 +168,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         shared=st.booleans(),
         own=st.lists(st.integers(1, 31), min_size=1, max_size=14),
         max_tokens=st.integers(1, 9),
+        slow=st.booleans(),
     )
-    def submit(self, n: int, shared: bool, own: list[int], max_tokens: int) -> None:
+    def submit(self, n: int, shared: bool, own: list[int], max_tokens: int, slow: bool) -> None:
         name = f"r{len(self.outputs)}"
         spec = GenerationRequest(
             request_id=name,
@@ -175,18 +179,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             sampling=SamplingParams(temperature=0.0),
             limits=Limits(max_tokens=max_tokens),
         )
-        output = self.outputs[name] = Output(len(self.outputs), spec)
+        output = self.outputs[name] = Output(len(self.outputs), spec, slow=slow)
         self.core.command(Submit(request=spec, output=output, backlog=output), self.now)
         self.carry()
 
     @rule()
     def step(self) -> None:
         """Plan a step, run it on the engine, take its tokens (the argmax, as
-        the engine or the sampler picks for a greedy row)."""
+        the engine or the sampler picks for a greedy row); then slow readers
+        fall behind or catch up."""
+        self.slow_readers(self.run_step())
+
+    def run_step(self) -> set[str]:
+        """One step; the requests it brought tokens."""
         planned = self.core.plan({}, self.now)
         self.carry()
         if planned is None:
-            return
+            return set()
         plan = planned.plan
         for work in plan.prefills:
             if work.request_id not in self.owners.values():
@@ -201,11 +210,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         batch = self.core.absorb(plan, outcome)
         self.carry()
         if not batch.choices:
-            return
+            return set()
         tokens = batch.greedy
         if tokens is None:
             tokens = [int(t) for t in np.argmax(self.core.sample_step(batch).logits, axis=1)]
         self.core.deliver_samples(self.core.decide(batch.choices, tokens, batch.scores))
+        self.carry()
+        return {choice.request.spec.request_id for choice in batch.choices}
+
+    def slow_readers(self, got: set[str]) -> None:
+        """Slow readers fall behind once a step brought them tokens, and the
+        ones already behind catch up."""
+        for output in self.open():
+            if output.full and output.slow:
+                output.full = False
+                self.core.command(Resume(request_id=output.spec.request_id), self.now)
+            elif output.slow and output.spec.request_id in got:
+                output.full = True
         self.carry()
 
     def check_decoded(self, slot: int, token: int) -> None:
@@ -322,16 +343,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(set(self.admitted)) == len(self.admitted)
 
     def teardown(self) -> None:
-        """Every reader catches up and the steps run out: each request ended."""
+        """The steps run out, slow readers still falling behind and catching
+        up (so every run pauses and restores them), the others reading: each
+        request ends, with the invariants checked after each step."""
         for output in self.open():
-            if output.full:
+            if output.full and not output.slow:
                 output.full = False
                 self.core.command(Resume(request_id=output.spec.request_id), self.now)
         self.carry()
-        for _ in range(200):
-            if self.core.quiet:
+        for _ in range(500):
+            if self.core.quiet and not self.open():
                 break
             self.step()
+            self.rows_in_use_fit()
+            self.each_request_ends_once_for_one_cause()
+            self.tokens_are_the_models()
+            self.pins_return_to_zero()
+            self.admitted_in_order()
         assert self.core.quiet
         for output in self.outputs.values():
             assert output.closed == 1, f"{output.spec.request_id} never ended"
@@ -341,7 +369,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 def test_the_core_keeps_its_promises() -> None:
     run_state_machine_as_test(
         SchedulerMachine,
-        settings=settings(max_examples=150, stateful_step_count=60, deadline=None),
+        settings=settings(max_examples=100, stateful_step_count=50, deadline=None),
     )
 
 
