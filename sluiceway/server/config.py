@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from sluiceway.engines.select import check_device
+from sluiceway.engines.device import check_device
 
 WorkerClass = Literal["asyncio", "trio"]
 
@@ -45,7 +45,7 @@ class ServerConfig:
     model: str | None = None
     served_model_name: str | None = None
     engine: Literal["auto", "mlx", "transformers"] = "auto"
-    #: auto, cpu, cuda or cuda:N (``engines.select.DEVICES``).
+    #: auto, cpu, cuda or cuda:N (``engines.device.DEVICES``).
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     #: None: a child process on the CPU, the engine thread on a GPU (and in
