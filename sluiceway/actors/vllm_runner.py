@@ -74,6 +74,8 @@ class _Flight:
     choices: dict[int, anyio.CancelScope] = field(default_factory=dict)
     resumed: anyio.Event = field(default_factory=anyio.Event)
     started: bool = False
+    #: The prompt's scores and cached-token count went out.
+    reported: bool = False
     failed: bool = False
     submitted: float = field(default_factory=time.monotonic)
 
@@ -224,14 +226,15 @@ class VllmHandle:
         if not flight.started:
             flight.started = True
             self._publish()
-        if choice != 0:
+        if choice != 0 or flight.reported:
             return
-        if out.prompt_logprobs is not None and request_top(flight) is not None:
+        flight.reported = True
+        top = flight.request.logprobs.prompt_top
+        # In DELTA mode vLLM sends every prompt logprob in the first output
+        # (an empty list in the later ones).
+        if out.prompt_logprobs and top is not None:
             self._deliver(
-                flight,
-                prompt_scores(
-                    out.prompt_logprobs, flight.request.prompt_ids, request_top(flight) or 0
-                ),
+                flight, prompt_scores(out.prompt_logprobs, flight.request.prompt_ids, top)
             )
         if out.num_cached_tokens:
             self._deliver(flight, PromptCached(tokens=int(out.num_cached_tokens)))
@@ -313,10 +316,6 @@ class VllmHandle:
         self.running_rows = min(rows, int(stats.num_running_reqs))
         self.queued = min(len(self._flights) - started, int(stats.num_waiting_reqs))
         self.cached_tokens = round(float(stats.kv_cache_usage) * (self.kv_capacity_tokens or 0))
-
-
-def request_top(flight: _Flight) -> int | None:
-    return flight.request.logprobs.prompt_top
 
 
 async def run(
