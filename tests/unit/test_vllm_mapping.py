@@ -40,7 +40,8 @@ from sluiceway.protocol.messages import (
     SamplingParams,
     TokenLogprob,
 )
-from sluiceway.server.config import ServerConfig
+from sluiceway.server.cli import main
+from sluiceway.server.config import CHOICES, ServerConfig
 
 EOS = frozenset({0, 2})
 
@@ -418,3 +419,32 @@ def test_the_flags_reach_the_options() -> None:
 def test_vllm_is_refused_on_trio() -> None:
     with pytest.raises(ValueError, match="asyncio"):
         ServerConfig(engine="vllm", worker_class="trio")
+
+
+def test_docs_list_the_vllm_flags_with_their_choices() -> None:
+    """docs/cli.md has a row for each vLLM flag, spelling its choices as the CLI does."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    rows = {line.split("`")[1].split()[0]: line for line in text.splitlines() if line[:3] == "| `"}
+    for name in (
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "data_parallel_size",
+        "distributed_executor_backend",
+        "gpu_memory_utilization",
+        "max_model_len",
+        "enforce_eager",
+        "quantization",
+        "vllm_engine_args",
+        "engine",
+        "dtype",
+    ):
+        flag = "--" + name.replace("_", "-")
+        assert flag in rows, flag
+        assert f"SLUICEWAY_{name.upper()}" in rows[flag]
+        if name in CHOICES:
+            assert "\\|".join(CHOICES[name]) in rows[flag], flag
+
+
+def test_an_unsafe_pairing_stops_the_cli() -> None:
+    assert main(["serve", "--engine", "vllm", "--worker-class", "trio"]) == 2
+    assert main(["serve", "--engine", "vllm", "--vllm-engine-args", '{"model": "x"}']) == 2
