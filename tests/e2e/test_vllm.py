@@ -70,7 +70,9 @@ def streaming(server: RunningServer) -> Iterator[None]:
         client.stream("POST", server.api_url + "/chat/completions", json=body) as reply,
     ):
         assert reply.status_code == 200
-        next(reply.iter_lines())
+        # Kept: a line iterator dropped half-read closes the connection.
+        lines = reply.iter_lines()
+        next(lines)
         yield
 
 
