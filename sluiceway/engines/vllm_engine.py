@@ -235,12 +235,10 @@ def lark_grammar(constraint: Constraint) -> str:
     ``grammar.JSON_OPTIONS`` says), with the reasoning gate in front."""
     kind, text = constraint.kind, constraint.text
     if kind is ConstraintKind.GRAMMAR:
-        if constraint.reasoning is not None:
-            raise InvalidRequest(
-                "a Lark grammar cannot follow a reasoning section on --engine vllm",
-                param="structured_outputs",
-            )
-        return text
+        if constraint.reasoning is None:
+            return text
+        # The grammar's own start rule becomes the body behind the gate.
+        return f"start: {_gate(constraint.reasoning)}{_BODY}\n{rename_start(text)}\n"
     if kind is ConstraintKind.JSON_OBJECT:
         body = lark_json({"type": "object"})
     elif kind is ConstraintKind.JSON_SCHEMA:
@@ -253,7 +251,52 @@ def lark_grammar(constraint: Constraint) -> str:
     else:
         options = json.loads(text)
         body = " | ".join(json.dumps(option) for option in options)
-    return f"start: {_gate(constraint.reasoning)}body\nbody: {body}\n"
+    return f"start: {_gate(constraint.reasoning)}{_BODY}\n{_BODY}: {body}\n"
+
+
+#: The rule the constrained text is, behind the reasoning gate.
+_BODY = "sluiceway_body"
+
+
+def rename_start(lark: str) -> str:
+    """``lark`` with its rule ``start`` named :data:`_BODY`: every ``start``
+    that is a whole identifier outside string literals and regexes."""
+    out: list[str] = []
+    i, n = 0, len(lark)
+    while i < n:
+        char = lark[i]
+        if lark.startswith("//", i):  # a comment, to the end of its line
+            end = lark.find("\n", i)
+            end = n if end < 0 else end
+            out.append(lark[i:end])
+            i = end
+        elif char in '"/':
+            end = _literal_end(lark, i)
+            out.append(lark[i:end])
+            i = end
+        elif char.isalnum() or char == "_":
+            end = i
+            while end < n and (lark[end].isalnum() or lark[end] == "_"):
+                end += 1
+            word = lark[i:end]
+            out.append(_BODY if word == "start" else word)
+            i = end
+        else:
+            out.append(char)
+            i += 1
+    return "".join(out)
+
+
+def _literal_end(text: str, start: int) -> int:
+    """Where the string literal or regex opening at ``start`` ends (its
+    closing quote or slash, and a regex's flags, included)."""
+    quote, i = text[start], start + 1
+    while i < len(text) and text[i] != quote:
+        i += 2 if text[i] == "\\" else 1
+    i += 1
+    while quote == "/" and i < len(text) and text[i].isalpha():
+        i += 1
+    return min(i, len(text))
 
 
 def _gate(gate: ReasoningGate | None) -> str:

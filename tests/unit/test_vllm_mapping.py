@@ -27,6 +27,7 @@ from sluiceway.engines.vllm_engine import (
     lark_grammar,
     parse_extra_args,
     prompt_scores,
+    rename_start,
     sampling_fields,
     token_samples,
 )
@@ -262,12 +263,30 @@ def test_the_reasoning_gate_goes_in_front(grammars: GrammarEngine) -> None:
     assert not _accepts(grammars, _vllm_grammar(inside), answer)
 
 
-def test_a_lark_grammar_after_reasoning_is_refused() -> None:
-    gated = Constraint(
-        kind=ConstraintKind.GRAMMAR, text='start: "x"', reasoning=ReasoningGate(end_id=3)
+#: A Lark grammar whose start rule recurs, and "start" in a literal, a
+#: regex and a comment, which stay.
+RECURSIVE = 'start: "a" start | "b" tail\ntail: "start" | /start?x/ // start\n'
+
+
+@pytest.mark.parametrize("text", ["b", "ab", "aab", "abstart", "abstarx", "a", "bx", "start"])
+def test_a_lark_grammar_goes_behind_the_gate_too(grammars: GrammarEngine, text: str) -> None:
+    think, end = 1878, 1879
+    plain = Constraint(kind=ConstraintKind.GRAMMAR, text=RECURSIVE)
+    gated = replace(plain, reasoning=ReasoningGate(end_id=end, start_id=think))
+    ids = grammars_ids(grammars, text)
+    ours = _accepts(grammars, grammar_text(plain), ids)
+    musing = [think, *grammars_ids(grammars, "hmm"), end]
+    assert _accepts(grammars, _vllm_grammar(gated), [*musing, *ids]) == ours
+    assert _accepts(grammars, _vllm_grammar(gated), ids) == ours
+
+
+def test_only_the_start_identifier_is_renamed() -> None:
+    assert rename_start(RECURSIVE) == (
+        'sluiceway_body: "a" sluiceway_body | "b" tail\ntail: "start" | /start?x/ // start\n'
     )
-    with pytest.raises(InvalidRequest):
-        lark_grammar(gated)
+    assert rename_start('start: "\\"start" restart start_') == (
+        'sluiceway_body: "\\"start" restart start_'
+    )
 
 
 # --- outputs ------------------------------------------------------------------
