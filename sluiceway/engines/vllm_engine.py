@@ -330,7 +330,9 @@ def finish_cause(
     if reason == "length":
         return FinishCause.MAX_TOKENS
     if reason == "stop" and request.constraint is not None:
-        # vLLM ends a choice whose grammar admits nothing more.
+        # vLLM ended it ("stop") on no stop token of ours: under a
+        # constraint only the grammar can have. (Seen here: vLLM lets a
+        # complete grammar allow EOS alone, and the model picks it, above.)
         return FinishCause.GRAMMAR
     # An abort (ours: a stop string, a cancel) is not a finish here.
     return None
