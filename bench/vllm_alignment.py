@@ -237,7 +237,10 @@ def main() -> None:
     parser.add_argument("--logs", type=Path, default=Path("/tmp/sluiceway-vllm-alignment"))
     args = parser.parse_args()
     args.logs.mkdir(parents=True, exist_ok=True)
-    model = build_scripted_model(Path(tempfile.mkdtemp()) / "scripted", EXAMPLE_SCRIPTS)
+    # vLLM's CPU attention takes head sizes of 32 and up.
+    model = build_scripted_model(
+        Path(tempfile.mkdtemp()) / "scripted", EXAMPLE_SCRIPTS, head_dim_multiple=32
+    )
     running = servers(model.path, args.logs)
     try:
         for url, process in running.values():
