@@ -12,11 +12,13 @@ to both; the report says which server passes it. Run in ``.venv-vllm``:
 Checks (docs/alignment.md, "vLLM's own server, side by side"):
 
 - ``stop``: a stop string spread over three tokens (`` S`` | ``TO`` |
-  ``P!``): the streamed content equals the whole reply's, and no streamed
+  ``P!``): the streamed text equals the whole reply's, and no streamed
   delta carries text the reply then takes back.
+- ``plain text is content``: a reply with no reasoning markup is content.
 - ``reasoning logprobs``: reasoning, then content, with logprobs: the
   content's logprob entries are exactly the content's tokens (their bytes
-  spell the content), streamed and whole.
+  spell the content; the final EOS entry, which has no text, aside),
+  streamed and whole.
 - ``reasoning split``: the streamed reasoning and content equal the whole
   reply's.
 - ``tool call``: the streamed arguments concatenate to the whole reply's,
@@ -145,17 +147,30 @@ def check_stop(url: str, model: ScriptedModel) -> tuple[bool, str]:
     body = chat(model, "bytes_stop", max_tokens=40, stop=[EXAMPLE_STOP])
     one, chunks = whole(url, body), streamed(url, body)
     message = one["choices"][0]["message"]
-    final = message.get("content") or ""
-    if reasoning_of(message):
-        return False, f"the reply's text went to reasoning: {reasoning_of(message)!r}"
+    # Whichever field the text went to (see "plain text is content").
+    final = reasoning_of(message) + (message.get("content") or "")
     seen = ""
     for delta in deltas(chunks):
-        seen += delta["delta"].get("content") or ""
+        fields = delta["delta"]
+        seen += (fields.get("reasoning_content") or fields.get("reasoning") or "") + (
+            fields.get("content") or ""
+        )
         if not final.startswith(seen):
             return False, f"streamed {seen!r}, but the reply is {final!r}"
     if seen != final:
         return False, f"streamed {seen!r} != whole {final!r}"
     return True, f"{final!r} both ways"
+
+
+def check_plain_content(url: str, model: ScriptedModel) -> tuple[bool, str]:
+    message = whole(url, chat(model, "bytes_stop", max_tokens=6))["choices"][0]["message"]
+    if reasoning_of(message) or not message.get("content"):
+        return False, f"no <think> in the reply, yet reasoning is {reasoning_of(message)!r}"
+    return True, f"content {message['content']!r}"
+
+
+def without_eos(entries: list[Reply]) -> list[Reply]:
+    return entries[:-1] if entries and entries[-1]["token"] == "<|im_end|>" else entries
 
 
 def check_reasoning_logprobs(url: str, model: ScriptedModel) -> tuple[bool, str]:
@@ -164,10 +179,13 @@ def check_reasoning_logprobs(url: str, model: ScriptedModel) -> tuple[bool, str]
     message = one["choices"][0]["message"]
     content = (message.get("content") or "").encode()
     entries = (one["choices"][0].get("logprobs") or {}).get("content") or []
+    # The EOS token ends the reply without text of its own; its entry comes
+    # last (docs/alignment.md counts it), so it is left out of the spelling.
+    entries, streamed_entries = without_eos(entries), without_eos(content_entries(chunks))
     if entry_bytes(entries) != content:
         return False, f"whole: entries spell {entry_bytes(entries)!r}, content is {content!r}"
-    if entry_bytes(content_entries(chunks)) != joined(chunks, "content").encode():
-        return False, f"streamed: entries spell {entry_bytes(content_entries(chunks))!r}"
+    if entry_bytes(streamed_entries) != joined(chunks, "content").encode():
+        return False, f"streamed: entries spell {entry_bytes(streamed_entries)!r}"
     return True, f"{len(entries)} content entries spell the content"
 
 
@@ -228,6 +246,7 @@ def chat(model: ScriptedModel, script: str, **fields: Any) -> dict[str, Any]:
 
 CHECKS: dict[str, Callable[[str, ScriptedModel], tuple[bool, str]]] = {
     "stop": check_stop,
+    "plain text is content": check_plain_content,
     "reasoning logprobs": check_reasoning_logprobs,
     "reasoning split": check_reasoning_split,
     "tool call": check_tool_call,
