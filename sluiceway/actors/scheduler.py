@@ -128,7 +128,8 @@ class Restartable(Protocol):
 
 
 class SchedulerHandle:
-    """What the server holds: submit, cancel, and the scheduler's counters."""
+    """What the server holds: submit, cancel, and the scheduler's counters
+    (an ``sluiceway.actors.seam.EngineHandle``)."""
 
     def __init__(
         self, inbox: MemoryObjectSendStream[SchedulerCommand], config: SchedulerConfig
@@ -143,6 +144,8 @@ class SchedulerHandle:
         self.free_rows = config.max_num_seqs
         #: Tokens held in the running rows' KV caches (prompt and generated).
         self.cached_tokens = 0
+        #: None: the most the KV caches hold is every row at full context.
+        self.kv_capacity_tokens: int | None = None
         #: Requests whose reader is too far behind (their rows wait).
         self.paused_requests = 0
         #: False while the engine is lost (being restarted, or given up on).

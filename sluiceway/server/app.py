@@ -14,7 +14,8 @@ from typing import cast
 
 import anyio
 
-from sluiceway.actors.scheduler import SchedulerConfig, SchedulerHandle
+from sluiceway.actors.scheduler import SchedulerConfig
+from sluiceway.actors.seam import EngineHandle
 from sluiceway.protocol.errors import (
     ApiError,
     AuthenticationFailed,
@@ -44,7 +45,7 @@ from sluiceway.server.runtime import (
     PipelineOptions,
     load_model,
     prefix_cache_bytes,
-    run_pipeline,
+    run_engine,
 )
 from sluiceway.server.state import ServerState
 from sluiceway.server.supervision import Supervisor
@@ -286,7 +287,7 @@ class SluicewayApp:
         async with anyio.create_task_group() as group:
             handle = await group.start(
                 functools.partial(
-                    run_pipeline,
+                    run_engine,
                     model,
                     self._scheduler_config(model),
                     PipelineOptions(processed_logprobs=self.config.logprobs_mode == "processed"),
@@ -306,7 +307,7 @@ class SluicewayApp:
             release_memory_after=self.config.release_memory_after or None,
         )
 
-    def _ready(self, model: LoadedModel, handle: SchedulerHandle) -> None:
+    def _ready(self, model: LoadedModel, handle: EngineHandle) -> None:
         state = ServerState(
             self.config, model, handle, choose_parsers(self.config, model.tokenizer)
         )

@@ -49,10 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
         "model": "local model directory or Hugging Face id (from the local cache); "
         "default: the embedded default model",
         "served_model_name": "the model name clients use (default: --model)",
-        "engine": "model runner (auto: mlx on a Metal GPU, else transformers if torch imports, else mlx on the CPU)",
+        "engine": "model runner (auto: mlx on a Metal GPU, else transformers if torch imports, "
+        "else mlx on the CPU; vllm: vLLM's engine, from the sluiceway[vllm] extra)",
         "device": f"device of the transformers engine, one of {', '.join(DEVICES)} "
         "(auto: cuda if available)",
-        "dtype": "weights dtype of the transformers engine (auto: the checkpoint's)",
+        "dtype": "weights dtype of the transformers and vllm engines (auto: the checkpoint's; "
+        "vLLM's auto may serve float32 weights in bfloat16 on a CPU)",
         "engine_process": "run the engine in a child process with an interpreter (and GIL) "
         "of its own, instead of on a thread of the server's process (default: a child "
         "process on the CPU, the thread on a GPU)",
@@ -105,6 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
         "cache_dir": "where the default model is built (default: $XDG_CACHE_HOME/sluiceway)",
         "playground": "serve the playground page at / and /playground (no API key needed)",
         "log_level": "logging level",
+        "tensor_parallel_size": "vllm: GPUs each model replica is split across (tensor parallel)",
+        "pipeline_parallel_size": "vllm: pipeline stages (GPUs or nodes) per replica",
+        "data_parallel_size": "vllm: model replicas behind one engine (data parallel)",
+        "distributed_executor_backend": "vllm: how its workers run (auto: vLLM's choice; "
+        "ray: across a Ray cluster's nodes)",
+        "gpu_memory_utilization": "vllm: share of GPU memory for weights and KV cache "
+        "(0: vLLM's default)",
+        "max_model_len": "vllm: context length (0: the model's)",
+        "enforce_eager": "vllm: no CUDA graphs / torch.compile (starts sooner, runs slower)",
+        "quantization": "vllm: quantization method of the weights (default: from the checkpoint)",
+        "vllm_engine_args": "vllm: a JSON object of any other engine arguments, by vLLM's "
+        'field names, e.g. \'{"kv_cache_dtype": "fp8"}\'',
     }
     for spec in dataclasses.fields(ServerConfig):
         default = getattr(defaults, spec.name)
@@ -215,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         config.key()  # an unreadable key file stops us here
+        config.vllm_options()  # and so do malformed vLLM engine arguments
     except (ValueError, OSError) as error:
         print(f"sluiceway: {error}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from sluiceway.engines.device import check_device
+from sluiceway.engines.vllm_engine import VllmOptions, parse_extra_args
 
 WorkerClass = Literal["asyncio", "trio"]
 
@@ -25,7 +26,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 #: Fields whose value is one of a few words (checked, since the environment
 #: can hold anything).
 CHOICES: dict[str, tuple[str, ...]] = {
-    "engine": ("auto", "mlx", "transformers"),
+    "engine": ("auto", "mlx", "transformers", "vllm"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "worker_class": ("asyncio", "trio"),
     "logprobs_mode": ("raw", "processed"),
@@ -33,6 +34,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "reasoning_parser": ("auto", "none", "qwen3", "deepseek_r1"),
     "tool_call_parser": ("auto", "none", "hermes", "qwen3_coder"),
     "log_level": ("debug", "info", "warning", "error"),
+    "distributed_executor_backend": ("auto", "mp", "ray", "uni", "external_launcher"),
 }
 
 
@@ -44,7 +46,7 @@ class ServerConfig:
 
     model: str | None = None
     served_model_name: str | None = None
-    engine: Literal["auto", "mlx", "transformers"] = "auto"
+    engine: Literal["auto", "mlx", "transformers", "vllm"] = "auto"
     #: auto, cpu, cuda or cuda:N (``engines.device.DEVICES``).
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -104,6 +106,19 @@ class ServerConfig:
     cache_dir: str | None = None
     playground: bool = True
     log_level: str = "info"
+    # vLLM's engine arguments (``--engine vllm`` only; engines.vllm_engine).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str = "auto"
+    #: 0: vLLM's default.
+    gpu_memory_utilization: float = 0.0
+    #: 0: the model's context length.
+    max_model_len: int = 0
+    enforce_eager: bool = False
+    quantization: str | None = None
+    #: A JSON object of any other engine arguments, by vLLM's names.
+    vllm_engine_args: str | None = None
 
     def __post_init__(self) -> None:
         for name, allowed in CHOICES.items():
@@ -140,6 +155,34 @@ class ServerConfig:
             raise ValueError("prefix_cache_bytes must not be negative")
         if not 0 <= self.max_top_logprobs <= 1000:
             raise ValueError("max_top_logprobs must be between 0 and 1000")
+        self._check_vllm()
+
+    def _check_vllm(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.gpu_memory_utilization < 0 or self.max_model_len < 0:
+            raise ValueError("gpu_memory_utilization and max_model_len must not be negative")
+        if self.engine == "vllm" and self.worker_class == "trio":
+            raise ValueError(
+                "--engine vllm needs --worker-class asyncio: vLLM's AsyncLLM is asyncio code"
+            )
+
+    def vllm_options(self) -> VllmOptions:
+        """The vLLM engine arguments these flags pass through (raises ValueError
+        for a ``vllm_engine_args`` that is not a JSON object, or that sets
+        what the server sets itself)."""
+        return VllmOptions(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            gpu_memory_utilization=self.gpu_memory_utilization or None,
+            max_model_len=self.max_model_len or None,
+            enforce_eager=self.enforce_eager,
+            quantization=self.quantization,
+            extra=parse_extra_args(self.vllm_engine_args),
+        )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ServerConfig:

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import anyio
 
 from sluiceway.actors.prefix_cache import PrefixCacheStats
-from sluiceway.actors.scheduler import Restartable, SchedulerHandle
+from sluiceway.actors.scheduler import Restartable
+from sluiceway.actors.seam import EngineHandle
 from sluiceway.protocol.messages import FailureCause
 from sluiceway.server.config import ServerConfig
 from sluiceway.server.metrics import LoadSnapshot, Metrics
@@ -58,11 +59,11 @@ class Lifecycle:
     supervisor: Supervisor
     phase: Phase = Phase.LOADING
     model: LoadedModel | None = None
-    scheduler: SchedulerHandle | None = None
+    scheduler: EngineHandle | None = None
     #: Set when the server should stop on its own (the model failed to load).
     fatal: anyio.Event | None = field(default=None)
 
-    def loaded(self, model: LoadedModel, scheduler: SchedulerHandle) -> None:
+    def loaded(self, model: LoadedModel, scheduler: EngineHandle) -> None:
         self.model, self.scheduler = model, scheduler
         if self.phase is Phase.LOADING:
             self.phase = Phase.SERVING
@@ -110,7 +111,11 @@ class Lifecycle:
             waiting_requests=scheduler.queued,
             paused_requests=scheduler.paused_requests,
             cached_tokens=scheduler.cached_tokens,
-            capacity_tokens=self.config.max_num_seqs * model.engine.info.max_context,
+            capacity_tokens=(
+                self.config.max_num_seqs * model.engine.info.max_context
+                if scheduler.kv_capacity_tokens is None
+                else scheduler.kv_capacity_tokens
+            ),
             max_num_seqs=self.config.max_num_seqs,
             engine_available=self.engine_available(),
         )

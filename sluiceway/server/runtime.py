@@ -9,6 +9,11 @@ sampler's state: ``sluiceway.actors.sampler.StepSampler``).
 
 Per request, the handler runs its own output actor and emitter (see
 ``sluiceway.server.handlers``).
+
+With ``--engine vllm`` there is no pipeline: vLLM's ``AsyncLLM`` schedules
+itself, and ``sluiceway.actors.vllm_runner`` is the handle the server holds
+instead of the scheduler's (both are ``sluiceway.actors.seam.EngineHandle``s;
+:func:`run_engine` starts whichever the model needs).
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskStatus
 
-from sluiceway.actors import reducer, sampler
+from sluiceway.actors import reducer, sampler, vllm_runner
 from sluiceway.actors.engine_process import EngineSpec, ProcessEngine
 from sluiceway.actors.engine_work import EngineThread
 from sluiceway.actors.prefix_cache import default_budget
 from sluiceway.actors.sampler import SamplerConfig, StepSampler
 from sluiceway.actors.scheduler import Scheduler, SchedulerConfig, SchedulerHandle, open_inbox
+from sluiceway.actors.seam import EngineHandle
 from sluiceway.engines.base import Engine
 from sluiceway.engines.default_model import default_model_dir
 from sluiceway.engines.grammar import GrammarConfig, GrammarEngine
@@ -40,6 +46,7 @@ from sluiceway.engines.select import (
     process_environment,
 )
 from sluiceway.engines.tokenizer import ModelTokenizer
+from sluiceway.engines.vllm_engine import VllmEngine, engine_args
 from sluiceway.protocol.messages import LogitsStep, SampledStep
 from sluiceway.server.config import LOG_FORMAT, ServerConfig
 
@@ -50,7 +57,8 @@ logger = logging.getLogger(__name__)
 class LoadedModel:
     source: ModelSource
     tokenizer: ModelTokenizer
-    engine: Engine
+    #: One of ours (scheduled here), or vLLM's (which schedules itself).
+    engine: Engine | VllmEngine
     created: int
     #: The thread the engine was loaded on; all its work runs there.
     thread: EngineThread
@@ -115,7 +123,9 @@ def _grammar_engine(
     return grammars
 
 
-def _start_engine(config: ServerConfig, source: ModelSource) -> Engine:
+def _start_engine(config: ServerConfig, source: ModelSource) -> Engine | VllmEngine:
+    if config.engine == "vllm":
+        return _start_vllm(config, source)
     name = choose_engine(config.engine)
     in_child = config.engine_process
     daemonic = multiprocessing.current_process().daemon
@@ -151,11 +161,29 @@ def _start_engine(config: ServerConfig, source: ModelSource) -> Engine:
     return ProcessEngine(spec)
 
 
-def prefix_cache_bytes(config: ServerConfig, engine: Engine) -> int:
+def _start_vllm(config: ServerConfig, source: ModelSource) -> VllmEngine:
+    if config.device != "auto" or config.engine_process is not None:
+        logger.warning("--engine vllm ignores --device and --engine-process: vLLM places its work")
+    args = engine_args(
+        str(source.path),
+        config.vllm_options(),
+        dtype=config.dtype,
+        max_num_seqs=config.max_num_seqs,
+        max_top_logprobs=config.max_top_logprobs,
+        logprobs_mode=config.logprobs_mode,
+        prefix_cache=config.prefix_cache,
+    )
+    return VllmEngine(source, args, device="vllm")
+
+
+def prefix_cache_bytes(config: ServerConfig, engine: Engine | VllmEngine) -> int:
     """The prefix cache's budget (0: off), logged once."""
     info = engine.info
     if not config.prefix_cache:
         logger.info("prefix cache: off (--no-prefix-cache)")
+        return 0
+    if isinstance(engine, VllmEngine):
+        logger.info("prefix cache: vLLM's own")
         return 0
     if info.kv_bytes_per_token <= 0:
         logger.info("prefix cache: off (the %s engine cannot keep this model's KV)", info.name)
@@ -182,6 +210,21 @@ class PipelineOptions:
     processed_logprobs: bool = False
 
 
+async def run_engine(
+    model: LoadedModel,
+    config: SchedulerConfig,
+    options: PipelineOptions,
+    *,
+    task_status: TaskStatus[EngineHandle] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the engine's scheduling until cancelled: vLLM's own, or our pipeline."""
+    if isinstance(model.engine, VllmEngine):
+        mode = "processed" if options.processed_logprobs else "raw"
+        await vllm_runner.run(model.engine, config, logprobs_mode=mode, task_status=task_status)
+    else:
+        await run_pipeline(model, config, options, task_status=task_status)
+
+
 async def run_pipeline(
     model: LoadedModel,
     config: SchedulerConfig,
@@ -190,6 +233,9 @@ async def run_pipeline(
     task_status: TaskStatus[SchedulerHandle] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run scheduler, sampler and reducer until cancelled."""
+    engine = model.engine
+    if isinstance(engine, VllmEngine):
+        raise TypeError("vLLM schedules itself: run_engine runs it")
     handle, inbox = open_inbox(config)
     sampling = StepSampler(
         SamplerConfig(
@@ -200,7 +246,7 @@ async def run_pipeline(
         reduce=options.with_reducer,
     )
     scheduler = Scheduler(
-        model.engine, model.thread, config, handle, sample_inline=sampling.inline, guides=sampling
+        engine, model.thread, config, handle, sample_inline=sampling.inline, guides=sampling
     )
     to_sampler_send, to_sampler_receive = anyio.create_memory_object_stream[LogitsStep](1)
     sampled_send, sampled_receive = anyio.create_memory_object_stream[SampledStep](1)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from sluiceway.actors.constraints import ConstraintCompiler
-from sluiceway.actors.scheduler import SchedulerHandle
+from sluiceway.actors.seam import EngineHandle
 from sluiceway.parsers.registry import ParserChoice
 from sluiceway.server.config import ServerConfig
 from sluiceway.server.runtime import LoadedModel
@@ -18,7 +18,7 @@ from sluiceway.surfaces.conversation import template_probes
 class ServerState:
     config: ServerConfig
     model: LoadedModel
-    scheduler: SchedulerHandle
+    scheduler: EngineHandle
     parsers: ParserChoice
 
     @property

@@ -25,7 +25,13 @@ ALL_SETUPS = [
 #: suite's time (the 15-minute budget of `make test`); SLUICEWAY_TEST_SETUPS=all
 #: runs the four.
 DIAGONAL = [ALL_SETUPS[1], ALL_SETUPS[2]]
-SETUPS = ALL_SETUPS if os.environ.get("SLUICEWAY_TEST_SETUPS") == "all" else DIAGONAL
+#: vLLM's engine (``make test-vllm``, in .venv-vllm): asyncio only (vLLM's
+#: AsyncLLM is asyncio code), one server per model shared by every module.
+VLLM = [pytest.param(("asyncio", "vllm"), id="asyncio-vllm")]
+SETUPS = {"all": ALL_SETUPS, "vllm": VLLM}.get(
+    os.environ.get("SLUICEWAY_TEST_SETUPS", ""), DIAGONAL
+)
+ON_VLLM = SETUPS is VLLM
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,19 @@ import httpx
 import pytest
 
 STARTUP_SECONDS = 180
+#: vLLM's engine core starts in ~1 min alone on a 2-core host, more under load.
+VLLM_STARTUP_SECONDS = 600
+
+#: ``--engine vllm`` (``SLUICEWAY_TEST_SETUPS=vllm``, ``make test-vllm``):
+#: float32 as the reference forward passes (vLLM's auto serves a float32
+#: checkpoint in bfloat16 on a CPU), and no compilation (it only lengthens
+#: the start); its CPU backend needs a KV-cache size and no thread binding
+#: on a small shared host.
+VLLM_FLAGS = ("--enforce-eager", "--dtype", "float32")
+VLLM_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+#: vLLM's imports warn of deprecations of their own dependencies, which the
+#: -W error of SERVER_COMMAND would turn into a failed start.
+VLLM_COMMAND = (sys.executable, "-m", "sluiceway")
 
 #: The server as the tests start it: deprecations are errors there too, as in
 #: the suite itself, so that a registry release deprecating an API we call
@@ -94,6 +107,10 @@ def start_server(
     port = free_port()
     log_path = log_dir / f"server-{worker_class}-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if _engine_of(extra_args) == "vllm":
+        env = {**VLLM_ENVIRONMENT, **env}
+        extra_args = (*extra_args, *VLLM_FLAGS)
+        launcher = VLLM_COMMAND if launcher == SERVER_COMMAND else launcher
     if through_hypercorn_cli:
         command = [
             str(Path(sys.executable).parent / "hypercorn"),
@@ -131,11 +148,11 @@ def _wait_for(
 ) -> RunningServer:
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    engine = command[command.index("--engine") + 1] if "--engine" in command else "auto"
+    engine = _engine_of(command)
     server = RunningServer(
         f"http://127.0.0.1:{port}", name, worker_class, process, log_path, engine
     )
-    deadline = time.monotonic() + STARTUP_SECONDS
+    deadline = time.monotonic() + (VLLM_STARTUP_SECONDS if engine == "vllm" else STARTUP_SECONDS)
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the server exited during start-up:\n{server.log()}")
@@ -146,7 +163,11 @@ def _wait_for(
             pass
         time.sleep(0.2)
     server.stop()
-    raise RuntimeError(f"the server did not start in {STARTUP_SECONDS} s:\n{server.log()}")
+    raise RuntimeError(f"the server did not start in time:\n{server.log()}")
+
+
+def _engine_of(arguments: Sequence[str]) -> str:
+    return arguments[list(arguments).index("--engine") + 1] if "--engine" in arguments else "auto"
 
 
 @contextlib.contextmanager

@@ -1,0 +1,216 @@
+"""``--engine vllm`` end to end, beside the shared suites that run on it
+(``make test-vllm``: SLUICEWAY_TEST_SETUPS=vllm): what is vLLM's own here —
+its figures on /metrics and /health, its prefix cache as ``cached_tokens``,
+the fields it cannot honour refused by name, a stop string or a client that
+goes away aborting its vLLM request, and its engine core dying mid-stream.
+
+One server of its own (its engine core is killed at the end), with vLLM's
+request log on, which says when a request is aborted."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import ON_VLLM
+from tests.e2e.harness import RunningServer, start_server
+from tests.e2e.ops import Stream, chat, children, wait_for
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(not ON_VLLM, reason="vLLM runs in .venv-vllm: make test-vllm"),
+]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(
+    default_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    server = start_server(
+        default_model,
+        worker_class="asyncio",
+        log_dir=tmp_path_factory.mktemp("vllm"),
+        extra_args=["--engine", "vllm", "--vllm-engine-args", '{"enable_log_requests": true}'],
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def metric(server: RunningServer, name: str) -> float:
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    found = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert found, f"{name} missing from /metrics"
+    return float(found.group(1))
+
+
+def aborts(server: RunningServer) -> int:
+    return server.log().count("Aborted request(s)")
+
+
+def endless(server: RunningServer) -> Stream:
+    return Stream(server, chat(server, max_tokens=100_000, ignore_eos=True)).start()
+
+
+@contextlib.contextmanager
+def streaming(server: RunningServer) -> Iterator[None]:
+    """An endless stream, its first event read; leaving disconnects it."""
+    body = chat(server, max_tokens=100_000, ignore_eos=True, stream=True)
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", server.api_url + "/chat/completions", json=body) as reply,
+    ):
+        assert reply.status_code == 200
+        # Kept: a line iterator dropped half-read closes the connection.
+        lines = reply.iter_lines()
+        next(lines)
+        yield
+
+
+def test_health_names_the_engine(vllm_server: RunningServer) -> None:
+    health = vllm_server.health()
+    assert health["engine"]["name"] == "vllm"  # type: ignore[index]
+
+
+def test_the_gauges_read_vllms_figures(vllm_server: RunningServer) -> None:
+    with streaming(vllm_server):
+        # vLLM's stats come with its steps: running, and its KV cache in use.
+        wait_for(
+            lambda: (
+                metric(vllm_server, "sluiceway:num_sequences_running") == 1
+                and metric(vllm_server, "vllm:kv_cache_usage_perc") > 0
+            ),
+            30,
+            "vLLM's figures",
+        )
+        assert metric(vllm_server, "vllm:num_requests_running") == 1
+        loads = httpx.get(vllm_server.base_url + "/v1/loads", timeout=10)
+        assert loads.status_code == 200, loads.text
+    wait_for(
+        lambda: metric(vllm_server, "vllm:num_requests_running") == 0,
+        30,
+        "nothing running once the client left",
+    )
+
+
+def test_a_client_that_goes_away_aborts_its_vllm_request(vllm_server: RunningServer) -> None:
+    before = aborts(vllm_server)
+    with streaming(vllm_server):
+        with streaming(vllm_server):
+            wait_for(
+                lambda: metric(vllm_server, "sluiceway:num_sequences_running") == 2,
+                30,
+                "both sequences running in vLLM",
+            )
+        # One client went away: vLLM's own count (its stats come with the
+        # steps of the stream still running) drops to one.
+        wait_for(
+            lambda: metric(vllm_server, "sluiceway:num_sequences_running") == 1,
+            30,
+            "vLLM to drop the aborted sequence",
+        )
+        assert aborts(vllm_server) > before
+    wait_for(lambda: aborts(vllm_server) > before + 1, 30, "the second abort")
+    assert metric(vllm_server, "vllm:num_requests_running") == 0
+
+
+def test_a_stop_string_aborts_the_vllm_request(vllm_server: RunningServer) -> None:
+    greedy = chat(vllm_server, max_tokens=40, ignore_eos=True)
+    text = httpx.post(vllm_server.api_url + "/chat/completions", json=greedy, timeout=60).json()[
+        "choices"
+    ][0]["message"]["content"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    before = aborts(vllm_server)
+    stopped = httpx.post(
+        vllm_server.api_url + "/chat/completions", json={**greedy, "stop": [stop]}, timeout=60
+    ).json()
+    choice = stopped["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["content"] == text[: text.index(stop)]
+    wait_for(lambda: aborts(vllm_server) > before, 10, "vLLM's abort")
+
+
+def test_its_prefix_cache_shows_as_cached_tokens(vllm_server: RunningServer) -> None:
+    long = [{"role": "user", "content": "tell me a story about rivers and sluices " * 12}]
+    first = httpx.post(
+        vllm_server.api_url + "/chat/completions",
+        json=chat(vllm_server, messages=long, max_tokens=2),
+        timeout=60,
+    ).json()
+    again = httpx.post(
+        vllm_server.api_url + "/chat/completions",
+        json=chat(vllm_server, messages=long, max_tokens=2),
+        timeout=60,
+    ).json()
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < again["usage"]["prompt_tokens"]
+    assert first["usage"]["prompt_tokens"] == again["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logprobs": True, "top_logprobs": 2, "logprob_token_ids": [5]}, "logprob_token_ids"),
+        ({"logprobs": True, "response_format": {"type": "json_object"}}, "logprobs"),
+    ],
+)
+def test_what_vllm_cannot_honour_is_a_400_naming_it(
+    vllm_server: RunningServer, fields: dict[str, object], param: str
+) -> None:
+    reply = httpx.post(
+        vllm_server.api_url + "/chat/completions", json=chat(vllm_server, **fields), timeout=60
+    )
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
+def engine_core(server: RunningServer) -> int:
+    for pid in children(server.process.pid):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"EngineCore" in command:
+            return pid
+    raise AssertionError("the server has no vLLM engine core process")
+
+
+def test_the_engine_core_killed_mid_stream(vllm_server: RunningServer) -> None:
+    """Last in the module: the engine core dies, every stream ends with an
+    error event, new requests get 503 while a new engine starts, then it serves."""
+    stream = endless(vllm_server)
+    assert stream.first.wait(60)
+    os.kill(engine_core(vllm_server), signal.SIGKILL)
+    stream.wait(60)
+    assert stream.failed_with_event is not None, stream.lines[-3:]
+    wait_for(
+        lambda: httpx.get(vllm_server.base_url + "/health", timeout=5).status_code == 503,
+        10,
+        "/health to say 503",
+    )
+    started = time.monotonic()
+    refused = httpx.post(
+        vllm_server.api_url + "/chat/completions", json=chat(vllm_server), timeout=10
+    )
+    assert time.monotonic() - started < 2
+    assert refused.status_code == 503, refused.text
+    wait_for(
+        lambda: httpx.get(vllm_server.base_url + "/health", timeout=5).status_code == 200,
+        600,
+        "the engine to come back",
+    )
+    again = httpx.post(
+        vllm_server.api_url + "/chat/completions", json=chat(vllm_server), timeout=60
+    )
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["completion_tokens"] == 20
+    assert "restarting it (attempt 1)" in vllm_server.log()
