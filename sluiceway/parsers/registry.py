@@ -12,13 +12,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol, TypeVar
 
-from sluiceway.parsers import reasoning
+import functools
+
+from sluiceway.parsers import formats, reasoning
 from sluiceway.parsers.events import Channel
 from sluiceway.parsers.pipeline import ChoicePipeline, StopStage, TextStage
 from sluiceway.parsers.stages import ParserError
 from sluiceway.parsers.stop import StopMatcher
-from sluiceway.parsers.tools import hermes, qwen3_coder
-from sluiceway.parsers.tools.base import ToolSchema
+from sluiceway.parsers.formats import FORMATS, ToolSchema
+from sluiceway.parsers.formats.render import forced_prefix
 from sluiceway.protocol.tokens import TokenTable
 
 __all__ = [
@@ -58,20 +60,11 @@ class ToolParserFactory(Protocol):
 
 
 REASONING_PARSERS: Mapping[str, Callable[[], PrimedStage]] = MappingProxyType(
-    {"qwen3": reasoning.qwen3, "deepseek_r1": reasoning.deepseek_r1}
+    {name: reasoning.parser_of(dialect) for name, dialect in reasoning.DIALECTS.items()}
 )
 
 TOOL_PARSERS: Mapping[str, ToolParserFactory] = MappingProxyType(
-    {"hermes": hermes.hermes, "qwen3_coder": qwen3_coder.qwen3_coder}
-)
-
-_FORCED_PREFIXES: Mapping[str, Callable[[str | None], str]] = MappingProxyType(
-    {"hermes": hermes.forced_prefix, "qwen3_coder": qwen3_coder.forced_prefix}
-)
-
-#: What closes an open reasoning block before a forced tool call.
-_FORCED_CLOSES: Mapping[str, str] = MappingProxyType(
-    {"qwen3": reasoning.FORCED_CLOSE, "deepseek_r1": reasoning.FORCED_CLOSE}
+    {name: functools.partial(formats.parser, name) for name in FORMATS}
 )
 
 
@@ -87,8 +80,8 @@ class ParserChoice:
 class TextPathOptions:
     """Everything of a request that shapes one choice's text path."""
 
-    reasoning_parser: str | None = None  # "qwen3" | "deepseek_r1"
-    tool_parser: str | None = None  # "hermes" | "qwen3_coder"; None = no tool parsing
+    reasoning_parser: str | None = None  # a name in REASONING_PARSERS
+    tool_parser: str | None = None  # a name in TOOL_PARSERS; None = no tool parsing
     tools: tuple[ToolSchema, ...] = ()
     parallel_tool_calls: bool = True
     stop: tuple[str, ...] = ()
@@ -132,7 +125,7 @@ def build_pipeline(table: TokenTable, options: TextPathOptions) -> ChoicePipelin
 def forced_tool_prefix(tool_parser: str, name: str | None) -> str:
     """The assistant prefix that forces a tool call: any tool (``None``, i.e.
     ``tool_choice: "required"``) or the named function."""
-    return _lookup(_FORCED_PREFIXES, tool_parser, "tool")(name)
+    return forced_prefix(_lookup(FORMATS, tool_parser, "tool"), name)
 
 
 def forced_reasoning_close(reasoning_parser: str | None, assistant_prefix: str) -> str:
@@ -145,7 +138,7 @@ def forced_reasoning_close(reasoning_parser: str | None, assistant_prefix: str) 
     stage.prime(assistant_prefix)
     if stage.open_channel(Channel.CONTENT) is not Channel.REASONING:
         return ""
-    return _FORCED_CLOSES[reasoning_parser]
+    return reasoning.DIALECTS[reasoning_parser].forced_close
 
 
 def detect_parsers(
