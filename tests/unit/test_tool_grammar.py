@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from sluiceway.engines.grammar import GrammarEngine, allowed_ids, lark_json
 from sluiceway.engines.tokenizer import ModelTokenizer
 from sluiceway.parsers.registry import TextPathOptions, ToolSchema, build_pipeline
-from sluiceway.parsers.tools import qwen3_coder
+from sluiceway.parsers.formats import arguments
 from sluiceway.protocol.constraints import Constraint, ConstraintKind
 from sluiceway.surfaces.tool_grammar import CallableTool, CallPlan, call_grammar
 from tests.fixtures.json_schemas import assert_valid, object_schemas
@@ -183,9 +183,9 @@ def _raw_text_free(schema: dict[str, Any]) -> bool:
     text is unbounded there: a walk found one that never ended)."""
     tool = ToolSchema(name="f", parameters=schema)
     for key, prop in schema["properties"].items():
-        if not qwen3_coder.is_string_parameter(tool, key):
+        if not arguments.is_string_parameter(tool, key):
             continue
-        target = qwen3_coder.resolved(prop, schema)
+        target = arguments.resolved(prop, schema)
         if not isinstance(target, dict) or not set(target) <= _RAW_HOLDS:
             return False
     return True
