@@ -32,6 +32,7 @@ a call, so the grammar must too.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -324,18 +325,18 @@ def _tagged_value(
     if is_string_parameter(checked, key):
         target = resolved(prop, schema)
         return _text_value(writer, part, target if isinstance(target, Mapping) else {})
-    pre = writer.text(part.value_pre)
-    return f"{pre} {writer.json_rule(_embedded(prop, schema))} {_close(writer, part)}"
+    return f'"\\n"? {writer.json_rule(_embedded(prop, schema))} {_close(writer, part)}'
 
 
 def _close(writer: _Writer, part: Tagged) -> str:
-    return " ".join(filter(None, (writer.text(part.value_pre), writer.text(part.close))))
+    """The end of a value: the newline the parser takes for markup, and the tag."""
+    return f'"\\n"? {writer.text(part.close)}'
 
 
 def _text_value(writer: _Writer, part: Tagged, schema: Mapping[str, Any]) -> str:
     """A string parameter's raw text and its end: one of the schema's strings,
     or text of the schema's length that the parser reads back as that text."""
-    pre = writer.text(part.value_pre)
+    pre = '"\\n"?'
     close = _close(writer, part)
     options = _literal_options(schema)
     if options is not None:
@@ -343,11 +344,9 @@ def _text_value(writer: _Writer, part: Tagged, schema: Mapping[str, Any]) -> str
     low = int(schema.get("minLength", 0))
     high = schema.get("maxLength")
     length = f"{{{low},{'' if high is None else int(high)}}}"
-    # The text never holds the closing tag; where no newline is markup, it
-    # neither starts nor ends with one (the parser would take it for markup).
-    never = [f"(?s:.*{re.escape(part.close)}.*)"]
-    if not part.value_pre:
-        never += ["(?s:\\n.*)", "(?s:.*\\n)"]
+    # The text never holds the closing tag, and neither starts nor ends with
+    # a newline (the parser would take it for the markup's).
+    never = [f"(?s:.*{re.escape(part.close)}.*)", "(?s:\\n.*)", "(?s:.*\\n)"]
     excluded = " & ".join(f"~{lark_regex(pattern)}" for pattern in never)
     terminal = writer.terminal(f"/(?s:.{length})/ & {excluded}")
     # Lazy: the value ends at the first closing tag, where the parser ends it.
@@ -381,7 +380,7 @@ def _python(writer: _Writer, tool: CallableTool | None) -> str:
     first, *rest = pairs
     out = first[1]
     for needed, pair in rest:
-        piece = f'"," {_WS} {pair}'
+        piece = f'{_WS} "," {_WS} {pair}'
         out += f" {piece}" if needed else f" ({piece})?"
     return out if first[0] else f"({out})?"
 
@@ -393,10 +392,20 @@ def _python_value(writer: _Writer, prop: Any, schema: Mapping[str, Any]) -> str:
         return '("True" | "False")'
     if declared == "null":
         return '"None"'
-    if declared in ("integer", "number", "string"):
-        # JSON's spelling of these is Python's.
+    options = _literal_options(target) if isinstance(target, Mapping) else None
+    if options is not None:
+        quoted = [lark_literal(quote) for o in options for quote in (repr(o), json.dumps(o))]
+        return "(" + " | ".join(dict.fromkeys(quoted)) + ")"
+    if declared == "string":
+        return writer.terminal(_PYTHON_STRING)
+    if declared in ("integer", "number"):
+        # JSON's spelling of numbers is Python's.
         return writer.json_rule(_embedded(prop, schema))
     return _any_python(writer)
+
+
+#: A Python string literal in either quotes, on one line.
+_PYTHON_STRING = "/\"([^\"\\\\\\n]|\\\\.)*\"|'([^'\\\\\\n]|\\\\.)*'/"
 
 
 def _any_python(writer: _Writer) -> str:

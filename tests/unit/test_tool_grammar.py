@@ -20,7 +20,10 @@ from sluiceway.parsers.registry import TextPathOptions, ToolSchema, build_pipeli
 from sluiceway.parsers.formats import arguments
 from sluiceway.protocol.constraints import Constraint, ConstraintKind
 from sluiceway.surfaces.tool_grammar import CallableTool, CallPlan, call_grammar
+from sluiceway.parsers.formats import FORMATS
+from sluiceway.parsers.formats.render import Call
 from tests.fixtures.json_schemas import assert_valid, object_schemas
+from tests.parsers.family_calls import SCHEMAS, calls, written
 
 WEATHER = {
     "type": "object",
@@ -213,3 +216,37 @@ def test_every_walk_through_a_required_call_parses_to_valid_arguments(
     assert content == ""
     ((name, arguments),) = calls
     assert_valid(arguments, schema if name == "f" else WEATHER)
+
+
+FAMILY_TOOLS = tuple(CallableTool(name=name, parameters=schema) for name, schema in SCHEMAS.items())
+
+
+@pytest.mark.parametrize("family", sorted(FORMATS))
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(drawn=calls(), data=st.data())
+def test_the_grammar_accepts_every_call_the_parser_reads(
+    family: str, drawn: list[Call], data: st.DataObject
+) -> None:
+    """Parser and grammar come from one description: whatever whitespace and
+    options the family allows, the grammar of a required call accepts the
+    calls the parser reads back exactly (tests/parsers/test_formats.py)."""
+    text = written(family, drawn, data)
+    plan = CallPlan(tools=FAMILY_TOOLS, required=True, parallel=True)
+    assert accepts(grammar(family, plan), text), text
+    single = CallPlan(tools=FAMILY_TOOLS, required=True, parallel=False)
+    assert accepts(grammar(family, single), written(family, drawn[:1], data))
+
+
+@pytest.mark.parametrize("family", sorted(FORMATS))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_walk_through_a_family_grammar_parses_to_valid_arguments(
+    family: str, data: st.DataObject
+) -> None:
+    tools = FAMILY_TOOLS
+    constraint = grammar(family, CallPlan(tools=tools, required=True, parallel=True))
+    content, calls_read = parse(family, walk(constraint, data), tools)
+    assert content == ""
+    assert calls_read
+    for name, arguments in calls_read:
+        assert_valid(arguments, SCHEMAS[name])

@@ -169,6 +169,8 @@ def _deepseek(name: str, call: Part) -> ToolFormat:
     return ToolFormat(
         name=name,
         body=seq(Lit("<｜tool▁calls▁begin｜>"), call, Repeat(call), Lit("<｜tool▁calls▁end｜>")),
+        # A name may be followed by its fenced arguments with no newline between.
+        name_chars=r'[^"\\<>\s\x00-\x1f`]',
         special=_DEEPSEEK_SPECIAL,
     )
 

@@ -68,10 +68,14 @@ class _Renderer:
         self.stop_at_name = False
         self.stop_at_arguments = False
         self.out: list[str] = []
+        self.opening = True
 
     def write(self, part: Part) -> None:
         if isinstance(part, Lit):
-            self.out += [self.style.space(part.pre) if not part.tight else "", part.text]
+            # Whitespace before the markup's first literal is the caller's.
+            spaced = not part.tight and not self.opening
+            self.opening = False
+            self.out += [self.style.space(part.pre) if spaced else "", part.text]
         elif isinstance(part, Seq):
             for inner in part.parts:
                 self.write(inner)
@@ -147,8 +151,14 @@ def _contents(part: Part) -> set[type]:
 
 def render(fmt: ToolFormat, calls: Sequence[Call], style: Style | None = None) -> str:
     """``calls`` in ``fmt``'s markup."""
-    renderer = _Renderer(fmt, calls, style or Style())
+    style = style or Style()
+    renderer = _Renderer(fmt, calls, style)
     renderer.write(fmt.body)
+    # Formats whose markup holds one call write the next ones after it.
+    while renderer.call + 1 < len(calls):
+        renderer.out.append(style.space("\n"))
+        renderer.opening = True
+        renderer.write(fmt.body)
     return "".join(renderer.out)
 
 
