@@ -396,16 +396,20 @@ def _python_value(writer: _Writer, prop: Any, schema: Mapping[str, Any]) -> str:
     if options is not None:
         quoted = [lark_literal(quote) for o in options for quote in (repr(o), json.dumps(o))]
         return "(" + " | ".join(dict.fromkeys(quoted)) + ")"
-    if declared == "string":
-        return writer.terminal(_PYTHON_STRING)
+    if declared == "string" and isinstance(target, Mapping):
+        return writer.terminal(_python_string(target))
     if declared in ("integer", "number"):
         # JSON's spelling of numbers is Python's.
         return writer.json_rule(_embedded(prop, schema))
     return _any_python(writer)
 
 
-#: A Python string literal in either quotes, on one line.
-_PYTHON_STRING = "/\"([^\"\\\\\\n]|\\\\.)*\"|'([^'\\\\\\n]|\\\\.)*'/"
+def _python_string(schema: Mapping[str, Any]) -> str:
+    """A Python string literal in either quotes, on one line, of the schema's length."""
+    low = int(schema.get("minLength", 0))
+    high = schema.get("maxLength")
+    count = f"{{{low},{'' if high is None else int(high)}}}"
+    return "/" + "|".join(f"{q}([^{q}\\\\\\n]|\\\\.){count}{q}" for q in "\"'") + "/"
 
 
 def _any_python(writer: _Writer) -> str:

@@ -17,7 +17,15 @@ from sluiceway.parsers.reasoning import DIALECTS
 from sluiceway.parsers.registry import TextPathOptions, ToolSchema, build_stages
 
 from .family_calls import REASONING, SCHEMAS, calls, expected_arguments, written
-from .harness import Routed, assert_contract, examples, route, run_pipeline, run_whole, tokenizations
+from .harness import (
+    Routed,
+    assert_contract,
+    examples,
+    route,
+    run_pipeline,
+    run_whole,
+    tokenizations,
+)
 
 TOOLS = tuple(ToolSchema(name=name, parameters=schema) for name, schema in SCHEMAS.items())
 
@@ -85,7 +93,9 @@ def test_one_call_at_most_without_parallel_calls(
     assert routed.content == ""
 
 
-@pytest.mark.parametrize("family", [f for f in sorted(FORMATS) if REASONING[f] not in (None, "qwen3")])
+@pytest.mark.parametrize(
+    "family", [f for f in sorted(FORMATS) if REASONING[f] not in (None, "qwen3")]
+)
 def test_a_call_opened_inside_reasoning_is_not_lost(family: str) -> None:
     call = Call("get_weather", {"city": "Paris"})
     markup = written_canonical(family, [call])
@@ -124,7 +134,7 @@ def written_canonical(family: str, drawn: list[Call]) -> str:
         # GLM does not double-serialise: a JSON value stays a value (vllm#36410).
         (
             "glm47",
-            '<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>'
+            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
             "<arg_key>hot</arg_key><arg_value>True</arg_value></tool_call>",
             {"city": "Paris", "hot": True},
         ),
@@ -135,7 +145,9 @@ def written_canonical(family: str, drawn: list[Call]) -> str:
         ),
     ],
 )
-def test_values_are_typed_by_the_schema(family: str, text: str, arguments: dict[str, object]) -> None:
+def test_values_are_typed_by_the_schema(
+    family: str, text: str, arguments: dict[str, object]
+) -> None:
     stages, _ = build_stages(_options(family))
     routed = route(run_whole(stages, text).events)
     ((name, written_arguments),) = routed.call_list

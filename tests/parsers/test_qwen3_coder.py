@@ -15,16 +15,6 @@ from sluiceway.parsers.formats.arguments import is_string_parameter
 from sluiceway.parsers.formats.families import QWEN3_CODER
 from sluiceway.parsers.formats.render import forced_prefix as render_prefix
 
-
-def qwen3_coder(
-    *, tools: tuple[ToolSchema, ...] = (), parallel_tool_calls: bool = True
-) -> FormatParser:
-    return parser("qwen3_coder", tools=tools, parallel_tool_calls=parallel_tool_calls)
-
-
-def forced_prefix(name: str | None) -> str:
-    return render_prefix(QWEN3_CODER, name)
-
 from .harness import (
     CODE,
     MULTIBYTE,
@@ -42,6 +32,17 @@ from .harness import (
     tokenizations,
     tokenize,
 )
+
+
+def qwen3_coder(
+    *, tools: tuple[ToolSchema, ...] = (), parallel_tool_calls: bool = True
+) -> FormatParser:
+    return parser("qwen3_coder", tools=tools, parallel_tool_calls=parallel_tool_calls)
+
+
+def forced_prefix(name: str | None) -> str:
+    return render_prefix(QWEN3_CODER, name)
+
 
 WEATHER = ToolSchema(
     name="get_weather",

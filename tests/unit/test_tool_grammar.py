@@ -16,12 +16,11 @@ from hypothesis import strategies as st
 
 from sluiceway.engines.grammar import GrammarEngine, allowed_ids, lark_json
 from sluiceway.engines.tokenizer import ModelTokenizer
+from sluiceway.parsers.formats import FORMATS, arguments
+from sluiceway.parsers.formats.render import Call
 from sluiceway.parsers.registry import TextPathOptions, ToolSchema, build_pipeline
-from sluiceway.parsers.formats import arguments
 from sluiceway.protocol.constraints import Constraint, ConstraintKind
 from sluiceway.surfaces.tool_grammar import CallableTool, CallPlan, call_grammar
-from sluiceway.parsers.formats import FORMATS
-from sluiceway.parsers.formats.render import Call
 from tests.fixtures.json_schemas import assert_valid, object_schemas
 from tests.parsers.family_calls import SCHEMAS, calls, written
 
@@ -218,6 +217,11 @@ def test_every_walk_through_a_required_call_parses_to_valid_arguments(
     assert_valid(arguments, schema if name == "f" else WEATHER)
 
 
+BOUNDED_CLOCK = {
+    "type": "object",
+    "properties": {"tz": {"type": "string", "maxLength": 5}, "at": {"type": "boolean"}},
+    "additionalProperties": False,
+}
 FAMILY_TOOLS = tuple(CallableTool(name=name, parameters=schema) for name, schema in SCHEMAS.items())
 
 
@@ -243,10 +247,14 @@ def test_the_grammar_accepts_every_call_the_parser_reads(
 def test_every_walk_through_a_family_grammar_parses_to_valid_arguments(
     family: str, data: st.DataObject
 ) -> None:
-    tools = FAMILY_TOOLS
-    constraint = grammar(family, CallPlan(tools=tools, required=True, parallel=True))
+    # Bounded values and one call, so that every walk ends.
+    tools = (
+        CallableTool(name="get_weather", parameters=WEATHER),
+        CallableTool(name="get_time", parameters=BOUNDED_CLOCK),
+    )
+    constraint = grammar(family, CallPlan(tools=tools, required=True, parallel=False))
     content, calls_read = parse(family, walk(constraint, data), tools)
     assert content == ""
     assert calls_read
-    for name, arguments in calls_read:
-        assert_valid(arguments, SCHEMAS[name])
+    for name, read in calls_read:
+        assert_valid(read, WEATHER if name == "get_weather" else BOUNDED_CLOCK)

@@ -28,6 +28,7 @@ class ToolSchema:
     name: str
     parameters: Mapping[str, Any]
 
+
 class JsonExtent:
     """Where one streamed JSON value ends; tracks nesting, strings and escapes only.
 
@@ -103,7 +104,6 @@ class JsonExtent:
         return position, False
 
 
-
 _PYTHON_LITERALS = MappingProxyType({"True": "true", "False": "false", "None": "null"})
 
 
@@ -177,8 +177,6 @@ def resolved(schema: object, root: Mapping[str, object]) -> object:
     return schema
 
 
-
-
 def parameter_schema(tool: ToolSchema | None, key: str) -> object:
     """The schema of ``key`` in ``tool``'s parameters (its ``$ref`` resolved), or None."""
     if tool is None:
@@ -205,7 +203,9 @@ def typed_json(text: str, schema: object) -> str:
 def _as_integer(text: str, schema: object) -> str:
     """``140.0`` is ``140`` where the schema asks for an integer."""
     declared = schema.get("type") if isinstance(schema, Mapping) else None
-    if declared != "integer" or not re.fullmatch(r"-?\d+\.0*(?:[eE][+-]?\d+)?|-?\d+[eE]\+?\d+", text):
+    if declared != "integer" or not re.fullmatch(
+        r"-?\d+\.0*(?:[eE][+-]?\d+)?|-?\d+[eE]\+?\d+", text
+    ):
         return text
     value = float(text)
     return str(int(value)) if math.isfinite(value) and value.is_integer() else text

@@ -96,7 +96,14 @@ def _glm(name: str, newline: str) -> ToolFormat:
             ),
             Lit("</tool_call>", pre=newline, ends_args=True),
         ),
-        special=("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+        special=(
+            "<tool_call>",
+            "</tool_call>",
+            "<arg_key>",
+            "</arg_key>",
+            "<arg_value>",
+            "</arg_value>",
+        ),
     )
 
 

@@ -52,7 +52,6 @@ from sluiceway.parsers.formats.arguments import (
     json_escape,
     parameter_schema,
     python_json,
-    typed_json,
 )
 from sluiceway.parsers.formats.graph import Graph, State
 from sluiceway.parsers.formats.spec import (
@@ -65,9 +64,10 @@ from sluiceway.parsers.formats.spec import (
     Reader,
     Value,
 )
+from sluiceway.parsers.formats.values import ValueReader
 from sluiceway.parsers.markers import HeldText, MarkerFound, MarkerScanner, MarkerSet, OwnedText
 from sluiceway.parsers.stages import WHITESPACE, PrimeError, SpanStage, spans_of
-from sluiceway.parsers.formats.values import ValueReader
+
 
 class FormatParser(SpanStage):
     """The last stage of a choice's text path: content -> content/tool calls/markup."""
