@@ -56,6 +56,7 @@ from sluiceway.parsers.formats.spec import (
     Seq,
     Tagged,
     ToolFormat,
+    kinds,
 )
 
 #: Text -> its Lark symbol (the tag's token, or a literal).
@@ -133,37 +134,13 @@ def _opening(fmt: ToolFormat) -> str:
 def _holds_several(part: Part) -> bool:
     """Whether the markup itself repeats calls (a section of calls)."""
     if isinstance(part, Repeat):
-        return _names(part.part)
+        return Name in kinds(part.part)
     if isinstance(part, Seq):
         return any(_holds_several(inner) for inner in part.parts)
     if isinstance(part, Choice):
         return any(_holds_several(option) for option in part.options)
     if isinstance(part, Opt):
         return _holds_several(part.part)
-    return False
-
-
-def _names(part: Part) -> bool:
-    if isinstance(part, Name):
-        return True
-    if isinstance(part, Seq):
-        return any(_names(inner) for inner in part.parts)
-    if isinstance(part, Choice):
-        return any(_names(option) for option in part.options)
-    if isinstance(part, Opt | Repeat):
-        return _names(part.part)
-    return False
-
-
-def _has_json_arguments(part: Part) -> bool:
-    if isinstance(part, JsonArguments):
-        return True
-    if isinstance(part, Seq):
-        return any(_has_json_arguments(inner) for inner in part.parts)
-    if isinstance(part, Choice):
-        return any(_has_json_arguments(option) for option in part.options)
-    if isinstance(part, Opt | Repeat):
-        return _has_json_arguments(part.part)
     return False
 
 
@@ -199,11 +176,11 @@ class _Writer:
             return "(" + " | ".join(self.write(option, tool) for option in part.options) + ")"
         if isinstance(part, Opt):
             inner = self.write(part.part, tool)
-            if _has_json_arguments(part.part) and not _takes_no_arguments(tool):
+            if JsonArguments in kinds(part.part) and not _takes_no_arguments(tool):
                 return inner  # leaving the arguments out means {}
             return f"({inner})?"
         if isinstance(part, Repeat):
-            if _names(part.part) and not self._plan.parallel:
+            if Name in kinds(part.part) and not self._plan.parallel:
                 return ""
             return f"({self.write(part.part, tool)})*"
         if isinstance(part, Index):

@@ -129,9 +129,7 @@ def is_string_parameter(tool: ToolSchema | None, key: str) -> bool:
     """Whether the tool's schema types ``key`` as a string (the default when unknown)."""
     if tool is None:
         return True
-    properties = tool.parameters.get("properties")
-    schema = properties.get(key) if isinstance(properties, Mapping) else None
-    return _is_string_schema(schema, tool.parameters)
+    return _is_string_schema(_property(tool, key), tool.parameters)
 
 
 def _is_string_schema(schema: object, root: Mapping[str, object], depth: int = 0) -> bool:
@@ -181,9 +179,12 @@ def parameter_schema(tool: ToolSchema | None, key: str) -> object:
     """The schema of ``key`` in ``tool``'s parameters (its ``$ref`` resolved), or None."""
     if tool is None:
         return None
+    return resolved(_property(tool, key), tool.parameters)
+
+
+def _property(tool: ToolSchema, key: str) -> object:
     properties = tool.parameters.get("properties")
-    schema = properties.get(key) if isinstance(properties, Mapping) else None
-    return resolved(schema, tool.parameters)
+    return properties.get(key) if isinstance(properties, Mapping) else None
 
 
 def typed_json(text: str, schema: object) -> str:

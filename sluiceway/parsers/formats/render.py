@@ -29,6 +29,7 @@ from sluiceway.parsers.formats.spec import (
     Tagged,
     ToolFormat,
     Value,
+    kinds,
 )
 
 
@@ -96,12 +97,12 @@ class _Renderer:
             self._reader(part)
 
     def _wanted(self, part: Part) -> bool:
-        kinds = _contents(part)
-        if Name in kinds:
+        held = kinds(part)
+        if Name in held:
             return self.call + 1 < len(self.calls)
-        if Key in kinds:
+        if Key in held:
             return bool(self.items)
-        if JsonArguments in kinds:
+        if JsonArguments in held:
             return True
         return self.style.pick(2) == 1
 
@@ -135,18 +136,6 @@ class _Renderer:
         before = "\n" if text.startswith("\n") else self.style.newline(part.pre)
         after = "\n" if text.endswith("\n") else self.style.newline(part.pre)
         self.out += [before, text, after, part.close]
-
-
-def _contents(part: Part) -> set[type]:
-    if isinstance(part, Seq):
-        return set().union(*(_contents(inner) for inner in part.parts))
-    if isinstance(part, Choice):
-        return set().union(*(_contents(option) for option in part.options))
-    if isinstance(part, Opt | Repeat):
-        return _contents(part.part)
-    if isinstance(part, Tagged | PythonArguments):
-        return _contents(part.part())
-    return {type(part)}
 
 
 def render(fmt: ToolFormat, calls: Sequence[Call], style: Style | None = None) -> str:

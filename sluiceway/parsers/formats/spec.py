@@ -169,6 +169,19 @@ Compound = Tagged | PythonArguments
 Part = Lit | Reader | Seq | Choice | Opt | Repeat | Compound
 
 
+def kinds(part: Part) -> set[type]:
+    """The kinds of reader and literal ``part`` holds, at any depth."""
+    if isinstance(part, Seq):
+        return set().union(*(kinds(inner) for inner in part.parts))
+    if isinstance(part, Choice):
+        return set().union(*(kinds(option) for option in part.options))
+    if isinstance(part, Opt | Repeat):
+        return kinds(part.part)
+    if isinstance(part, Tagged | PythonArguments):
+        return kinds(part.part())
+    return {type(part)}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ToolFormat:
     """One family's tool-call markup."""
