@@ -125,16 +125,19 @@ def install() -> None:
 
     import h11
 
-    from sluiceway.actors import output, reducer, sampler, scheduler
+    from sluiceway.actors import output, reducer, sampler, scheduler, scheduler_core
     from sluiceway.parsers import detokenizer, pipeline
     from sluiceway.surfaces import wire
     from sluiceway.surfaces.openai import chat_encoder, completions_encoder, encoding
 
     cls = scheduler.Scheduler
-    for name in ("_absorb", "_plan", "_start", "_decide", "_deliver_samples", "_drain", "_row"):
+    core = scheduler_core.SchedulerCore
+    for name in ("absorb", "plan", "decide", "rows"):
+        _wrap(core, name, f"scheduler: {name}")
+    for name in ("_start", "_drain"):
         _wrap(cls, name, f"scheduler: {name.strip('_')}")
     _wrap(cls, "_publish_counters", "scheduler: other")
-    _wrap(cls, "_handle_command", "scheduler: other")
+    _wrap(core, "command", "scheduler: other")
     _wrap(asyncio.base_events.BaseEventLoop, "_run_once", "asyncio loop (timers, ready queue)")
     _wrap(selectors.EpollSelector, "select", "epoll")
     _wrap(asyncio.events.Handle, "_run", "coroutine glue (anyio, Hypercorn, async code)")

@@ -54,13 +54,14 @@ def _mark(label: str) -> None:
 
 
 def install() -> None:
-    from sluiceway.actors import run_ahead, sampler, scheduler
+    from sluiceway.actors import run_ahead, sampler, scheduler, scheduler_core
 
     execute = run_ahead.execute
     decode_ahead = run_ahead.RunAhead.run_ahead
     sample_step = sampler.sample_step
     cls = scheduler.Scheduler
-    absorb, sample, apply, plan = cls._absorb, cls._sample, cls._deliver_samples, cls._plan
+    core = scheduler_core.SchedulerCore
+    absorb, sample, plan = core.absorb, cls._sample, core.plan
 
     def timed_absorb(self: Any, *args: Any) -> Any:
         _mark("absorb")
@@ -69,11 +70,6 @@ def install() -> None:
     async def timed_sample_call(self: Any, *args: Any) -> Any:
         _mark("to_sampler")
         return await sample(self, *args)
-
-    def timed_apply(self: Any, *args: Any) -> Any:
-        # Greedy steps fan out while the next step already runs: not part of
-        # the engine's wait, so not a segment.
-        return apply(self, *args)
 
     def timed_plan(self: Any, *args: Any) -> Any:
         _mark("plan")
@@ -86,10 +82,10 @@ def install() -> None:
         return start_step(self, step_plan)
 
     run_ahead.SteppingThread.start = timed_start  # type: ignore[method-assign]
-    cls._absorb = timed_absorb  # type: ignore[method-assign]
+    # The rules live in the scheduler's pure core; the shell samples.
+    core.absorb = timed_absorb  # type: ignore[method-assign]
     cls._sample = timed_sample_call  # type: ignore[method-assign]
-    cls._deliver_samples = timed_apply  # type: ignore[method-assign]
-    cls._plan = timed_plan  # type: ignore[method-assign]
+    core.plan = timed_plan  # type: ignore[method-assign]
 
     def timed_execute(engine: Any, step_plan: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
