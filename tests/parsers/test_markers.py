@@ -175,3 +175,19 @@ def test_held_text_take_merges_per_owner_and_is_linear() -> None:
     held.append(-1, "x")
     held.append(4, "y")
     assert held.first_owner_at_least(0) == 4
+
+
+def test_a_marker_set_needs_non_empty_markers() -> None:
+    for markers in ([], [""], ["<a>", ""]):
+        with pytest.raises(
+            ValueError, match=r"^markers must be a non-empty collection of non-empty strings$"
+        ):
+            MarkerSet(markers)
+
+
+def test_skip_to_candidate_stops_only_where_a_marker_can_begin() -> None:
+    markers = MarkerSet(["<a>", "[b]"])
+    assert markers.skip_to_candidate("xyXz<", 0) == 4
+    assert markers.skip_to_candidate("x[y", 0) == 1
+    assert markers.skip_to_candidate("x[y", 2) == 3
+    assert markers.skip_to_candidate("plain, X-rated", 0) == 14

@@ -183,18 +183,32 @@ def test_stop_in_reasoning_matches_each_channel_separately(
 
 
 @pytest.mark.parametrize(
-    ("stop", "options"),
+    ("stop", "options", "message"),
     [
-        ([], {}),
-        ([""], {}),
-        (["x"] * 17, {}),
-        ("abc", {}),
-        (["x"], {"min_tokens": -1}),
+        ([], {}, "between 1 and 16 stop strings are allowed"),
+        ([""], {}, "stop strings must be non-empty strings"),
+        (["x"] * 17, {}, "between 1 and 16 stop strings are allowed"),
+        ("abc", {}, "stop must be a sequence of strings, not one string"),
+        (["x"], {"min_tokens": -1}, "min_tokens must not be negative"),
     ],
 )
-def test_invalid_options_raise(stop: list[str], options: dict[str, int]) -> None:
-    with pytest.raises(InvalidStopError):
+def test_invalid_options_raise(stop: list[str], options: dict[str, int], message: str) -> None:
+    # The message is the client's 400 (the surfaces pass it on).
+    with pytest.raises(InvalidStopError, match=f"^{message}$"):
         StopMatcher(stop, **options)
+
+
+def test_sixteen_stop_strings_are_allowed() -> None:
+    assert StopMatcher([f"s{i}" for i in range(16)]).matched is None
+
+
+def test_a_match_concludes_at_once_when_no_candidate_starts_before_it() -> None:
+    """ "ab" is complete; "abc" starts where it does, so it cannot end the
+    output earlier: "ab" ends it now, nothing held, no empty span after it."""
+    matcher = StopMatcher(["ab", "abc"])
+    assert matcher.feed([content(0, "xab")]) == [content(0, "x"), dropped(0, "ab", None)]
+    assert matcher.matched == "ab"
+    assert matcher.held_from is None
 
 
 def test_passing_event_ends_a_candidate() -> None:
