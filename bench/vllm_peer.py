@@ -76,7 +76,6 @@ def servers(model: Path, seqs: int, logs: Path) -> dict[str, tuple[str, subproce
         NAME,
         "--port",
         "18302",
-        "--disable-log-requests",
         *common,
     ]
     return {
