@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: serve test lint typecheck check-lock browser clients pytest test-clients test-latest lock lock-upgrade test-vllm lock-vllm bench openblas clean
+.PHONY: serve test lint typecheck check-lock browser clients pytest test-clients test-latest lock lock-upgrade test-vllm lock-vllm bench openblas mutate clean
 
 # The build tools come first, from the lock, so that the editable install
 # builds without fetching unlocked ones into an isolated environment.
@@ -58,9 +58,14 @@ check-lock: $(TORCH_STAMP)
 # they fail.
 CHROMIUM := /usr/bin/chromium
 
+# `make test` runs the two apt-get installs (chromium, OpenBLAS) side by side:
+# one at a time under this lock (and dpkg's own, waited for, not failed on).
+APT_LOCK := /tmp/sluiceway-apt.lock
+APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y
+
 browser:
 	@if [ ! -x $(CHROMIUM) ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; \
+		flock $(APT_LOCK) sh -c 'apt-get update && $(APT_INSTALL) chromium'; \
 	fi
 
 # The real client CLIs the client tests drive (tests/clients/*/), each at the
@@ -77,7 +82,7 @@ clients: $(STAMP)
 		$(BIN)/python scripts/npm_installed.py $$dir || (cd $$dir && $(NPM_CI)) || (cd $$dir && $(NPM_CI)) || exit 1; \
 	done
 
-pytest: $(TORCH_STAMP) browser clients
+pytest: $(TORCH_STAMP) browser clients openblas
 	$(PYTEST) $(PYTEST_ARGS)
 
 # pytest's exit code 5 (nothing collected) fails this target like any other.
@@ -85,7 +90,7 @@ pytest: $(TORCH_STAMP) browser clients
 # side (torch's wheel, the npm clients, chromium, ruff; then mypy's cold run
 # beside the lock check); the suite runs alone after them, on every core.
 test:
-	$(MAKE) --no-print-directory --output-sync=target -j3 lint typecheck check-lock clients browser
+	$(MAKE) --no-print-directory --output-sync=target -j3 lint typecheck check-lock clients browser openblas
 	$(MAKE) --no-print-directory pytest
 
 # Only the tests that drive a real client CLI (tests/clients; `make test` runs
@@ -93,6 +98,19 @@ test:
 # registry once.
 test-clients: $(TORCH_STAMP) clients
 	$(PYTEST) -m client $(PYTEST_ARGS)
+
+# Mutation testing of the parsers (scripts/mutate.py, docs/testing.md): not
+# part of CI, it takes a while. mutmut comes from the `mutate` extra, at the
+# lock's pins, so that `make test` never installs it. `make mutate
+# ARGS=stop` runs one module; `ARGS=--score` only prints the last scores.
+MUTATE_STAMP := $(VENV)/.installed-mutate
+
+$(MUTATE_STAMP): $(STAMP)
+	$(PIP) install --quiet -c $(LOCK) --no-build-isolation -e '.[test,mutate]'
+	touch $(MUTATE_STAMP)
+
+mutate: $(MUTATE_STAMP)
+	$(BIN)/python scripts/mutate.py $(ARGS)
 
 # Types and the suite on the newest releases that pyproject.toml allows, in a
 # virtualenv of their own, ignoring the lock: a registry release that breaks
@@ -111,10 +129,11 @@ test-latest: $(STAMP)
 	$(MAKE) browser
 	$(LATEST)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-# Regenerate the lock after a change to pyproject.toml or lock.in, keeping
-# every other pin; `make lock-upgrade` moves every pin to its newest release.
+# Regenerate the lock (with the test, torch and mutate extras) after a change
+# to pyproject.toml or lock.in, keeping every other pin; `make lock-upgrade`
+# moves every pin to its newest release.
 UV_COMPILE = $(BIN)/uv pip compile --quiet --universal --python-version 3.11 \
-	pyproject.toml lock.in --extra test --extra torch -o $(LOCK)
+	pyproject.toml lock.in --extra test --extra torch --extra mutate -o $(LOCK)
 
 lock: $(STAMP)
 	$(PIP) install --quiet -c $(LOCK) uv
@@ -166,16 +185,17 @@ lock-vllm: $(STAMP)
 # The serving benchmark preloads Debian's OpenBLAS into every mlx process
 # (mlx's bundled reference BLAS is many times slower on the CPU): installed
 # here when it is missing and apt-get can (as root); without it the report
-# says mlx ran on its bundled BLAS.
+# says mlx ran on its bundled BLAS. `make test` installs it too, for
+# tests/engines/test_mlx_blas.py (which fails without it under CI=true).
 OPENBLAS := $(wildcard /usr/lib/*/openblas-pthread/libopenblas.so.0)
 
 openblas:
 	@if [ -z "$(OPENBLAS)" ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y libopenblas0-pthread; \
+		flock $(APT_LOCK) sh -c 'apt-get update && $(APT_INSTALL) libopenblas0-pthread'; \
 	fi
 
 bench: $(TORCH_STAMP) openblas
 	$(BIN)/python bench/serve.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(LATEST) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache tests/clients/*/node_modules
+	rm -rf $(VENV) $(LATEST) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache mutants tests/clients/*/node_modules

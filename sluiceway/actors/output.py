@@ -217,7 +217,7 @@ class ChoiceOutput:
 
     def _delta(self, chunk: Chunk, token_ids: tuple[int, ...] = ()) -> ChoiceDelta:
         calls = tuple(
-            ToolCallDelta(index=f.index, arguments=f.arguments, name=f.name)
+            ToolCallDelta(index=f.index, arguments=f.arguments, name=f.name, call_id=f.call_id)
             for f in chunk.tool_calls
         )
         if calls:

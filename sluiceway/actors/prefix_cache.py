@@ -327,6 +327,11 @@ class PrefixIndex:
         self.stats.tokens = self._held
         return excess <= 0
 
+    def pins(self) -> int:
+        """Holds and reservations on the tree's nodes, summed (0 when no
+        request holds a path: what a leak would show)."""
+        return sum(node.pins for node in self._nodes())
+
     def _nodes(self) -> list[_Node]:
         found, stack = [], list(self._root.children.values())
         while stack:

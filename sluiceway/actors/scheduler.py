@@ -1,23 +1,14 @@
-"""The scheduler actor: owns the engine, admits requests, runs the batch.
+"""The scheduler actor: the shell around :mod:`sluiceway.actors.scheduler_core`.
 
-Theory of operation. Requests wait in a bounded queue. Each step the scheduler
-plans, on the event loop, the engine work of one step, and runs it in one
-engine-thread call (``engine_work.execute``, through
-``run_ahead.SteppingThread``, which decodes greedy steps ahead of the plan):
-
-- free the KV cache of rows that finished or were cancelled;
-- prefill up to ``prefill_chunk_tokens`` prompt tokens: first the prompts
-  already being prefilled, then newly admitted ones while rows are free (a
-  request reserves its ``n`` rows when admitted; its choices share one prefill
-  and fork the cache after the last chunk), so a long prompt never stalls the
-  running streams for more than one chunk;
-- decode every running row in one batched call.
-
-With the prefix cache on (``sluiceway.actors.prefix_cache``), an admitted
-request first takes the longest cached prefix of its prompt (copied into its
-slot in the step of its first chunk) and prefills only the rest; each chunk
-it prefills, and each row that finishes, is kept in the cache for later
-requests.
+Theory of operation. The core holds the rules (admission, chunked prefill,
+batched decode, pausing a slow reader and restoring it, the prefix cache,
+engine loss, drain); this module does what they cannot: it takes commands
+from the inbox, runs each planned step in one engine call
+(``engine_work.execute``, through ``run_ahead.SteppingThread``, which decodes
+greedy steps ahead of the plan; or over the pipe of an engine in a child
+process), asks the sampler's actor for tokens, carries the core's messages to
+each request's output, reads the clock, and restarts a lost engine. Engine
+state is only touched from that worker thread, one call at a time.
 
 Most steps never need the sampler's actor: when every decoded row is a
 plain argmax, under a mask the plan carries, or unadjusted (``Row.unadjusted``:
@@ -30,19 +21,11 @@ the sampler as one step; the sampled ids come back (through the logprob
 reducer when it is wired) and are fanned out to each request's output
 channel. A small step (``sampler.INLINE_LOGITS``) is sampled and reduced
 right here instead, through the sampler's core: the two actors' round trip
-would cost more than the work. Rows that finish, and requests that are cancelled, leave before the
-next step. Engine state is only touched from that worker thread, one call at
-a time.
+would cost more than the work.
 
-Pacing. A request whose reader falls behind (its output mailbox is ``full``)
-leaves the batch: its rows are freed, their KV caches with them (the engines
-advance every running row together, so a row cannot sit out a step in
-place), and the others decode as if it were not there. When its reader has
-caught up (a ``Resume`` command wakes the scheduler) and a row is free, each
-of its choices is prefilled again with its prompt and the tokens it has
-generated (vLLM's preemption by recomputation) and rejoins the batch where
-it left off; restoring comes before admitting new requests. A request paused
-for longer than ``stall_timeout`` ends (``FailureCause.STALLED``).
+Pacing. A paused request (its reader fell behind) comes back once its reader
+has caught up: a ``Resume`` command wakes the scheduler, and the core plans
+its restore.
 
 Engine loss. An engine that can die and be restarted (``Restartable``: one
 in a child process) is checked when a step fails, and while the scheduler
@@ -57,56 +40,44 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol, runtime_checkable
 
 import anyio
-import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from sluiceway.actors.engine_work import (
     EngineThread,
     PendingStep,
-    PrefillOutcome,
-    PrefillWork,
     StepChannel,
     StepOutcome,
     StepPlan,
     release_memory,
 )
-from sluiceway.actors.prefix_cache import Hold, PrefixCacheStats, PrefixIndex
+from sluiceway.actors.prefix_cache import PrefixCacheStats
 from sluiceway.actors.run_ahead import SteppingThread
 from sluiceway.actors.sampling import Draw
-from sluiceway.engines.base import Engine, EngineInfo, KeepKV
-from sluiceway.engines.grammar import Bitmask, every_token
+from sluiceway.actors.scheduler_core import Batch, CloseOutput, SchedulerCore, with_draws
+from sluiceway.actors.scheduler_core import SchedulerConfig as SchedulerConfig
+from sluiceway.engines.base import Engine
+from sluiceway.engines.grammar import Bitmask
 from sluiceway.protocol.errors import Overloaded, ServiceUnavailable
 from sluiceway.protocol.messages import (
     Backlog,
     Cancel,
     ConstraintReport,
-    FailureCause,
-    FinishCause,
     FinishChoice,
     GenerationRequest,
     LogitsStep,
     Outbox,
-    PromptCached,
-    PromptScores,
-    RequestFailed,
     RequestOutput,
     Resume,
     Row,
     SampledStep,
     SchedulerCommand,
-    StepOutput,
     Submit,
-    TokenLogprob,
     TokenSample,
-    is_argmax,
-    is_unadjusted,
 )
 
 logger = logging.getLogger(__name__)
@@ -114,9 +85,6 @@ logger = logging.getLogger(__name__)
 
 #: How often an idle scheduler checks that a restartable engine still lives.
 LIVENESS_POLL_SECONDS = 1.0
-#: Least seconds between two give-backs of memory, so that a trickle of
-#: requests does not pay for one after each.
-RELEASE_INTERVAL_SECONDS = 10.0
 #: Restarts of a lost engine before the scheduler gives up (and /health says so).
 RESTART_ATTEMPTS = 3
 RESTART_BACKOFF_SECONDS = 1.0
@@ -157,75 +125,6 @@ class Restartable(Protocol):
     def restart(self) -> None:
         """Start a fresh engine (blocking: it loads the model); raises on failure."""
         ...
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SchedulerConfig:
-    eos_ids: frozenset[int]
-    max_num_seqs: int = 32
-    max_queued_requests: int = 256
-    prefill_chunk_tokens: int = 2048
-    #: A request paused this long by a reader that does not keep up ends (None: never).
-    stall_timeout: float | None = None
-    #: Called with each request's seconds in the queue, when it is admitted.
-    on_admitted: Callable[[float], None] | None = None
-    #: What the prefix cache may hold, in bytes; 0 turns it off.
-    prefix_cache_bytes: int = 0
-    #: Seconds with no request after some work before the engine and the
-    #: heap give memory back (``engine_work.release_memory``; None: never).
-    release_memory_after: float | None = None
-
-
-@dataclass(slots=True)
-class _Choice:
-    request: _Request
-    index: int
-    slot: int
-    generated: int = 0
-    last_token: int = -1
-    row: Row | None = None
-    #: Every token sampled, with the prefix cache on (to key the row's KV).
-    tokens: list[int] | None = None
-    #: The ids generated so far (to rebuild the KV cache after a pause).
-    ids: list[int] = field(default_factory=list)
-
-    @property
-    def key(self) -> tuple[str, int]:
-        """As ``Row.key``: the sampler's key for this choice's state."""
-        return (self.request.spec.request_id, self.index)
-
-
-@dataclass(slots=True)
-class _Restore:
-    """A paused choice being prefilled back into a new slot."""
-
-    choice: _Choice
-    slot: int
-    tokens: tuple[int, ...]
-    #: Tokens prefilled so far.
-    done: int = 0
-
-
-@dataclass(slots=True)
-class _Request:
-    submit: Submit
-    choices: dict[int, _Choice] = field(default_factory=dict)
-    #: Slots reserved at admission; the first one is prefilled, the others are forks.
-    slots: tuple[int, ...] = ()
-    prefilled: int = 0
-    scores: list[TokenLogprob | None] | None = None
-    arrived: float = field(default_factory=time.monotonic)
-    #: Since when its reader has been too far behind (None: it keeps up).
-    paused_since: float | None = None
-    #: The prefix-cache path that holds the prompt's first tokens.
-    hold: Hold | None = None
-    #: Prompt tokens restored from the cache, and the entries to restore them from.
-    cached: int = 0
-    restore: tuple[int, ...] = ()
-
-    @property
-    def spec(self) -> GenerationRequest:
-        return self.submit.request
 
 
 class SchedulerHandle:
@@ -304,6 +203,8 @@ def open_inbox(
 
 
 class Scheduler:
+    """The actor: feeds :class:`SchedulerCore` its events and carries out its plans."""
+
     def __init__(
         self,
         engine: Engine,
@@ -323,36 +224,13 @@ class Scheduler:
         self._restartable = engine if isinstance(engine, Restartable) else None
         self._engine = engine
         self._thread = thread
-        #: Steps ran since memory was last given back; when to give it back.
-        self._worked = False
-        self._release_at: float | None = None
-        self._released = -math.inf
-        self._config = config
         self._handle = handle
         #: Samples a small step on this task (None: send it to the sampler).
         self._sample_inline = sample_inline
         #: The guided rows' masks, for greedy steps (None: no guided row takes one).
         self._guides = guides
-        self._waiting: deque[_Request] = deque()
-        self._prefilling: list[_Request] = []
-        #: Final chunks the engine left for its next step decoded ahead
-        #: (``PrefillOutcome.deferred``); their outcomes come in the next
-        #: step's ``StepOutcome.late``.
-        self._deferred: list[PrefillWork] = []
-        self._requests: dict[str, _Request] = {}
-        self._rows: dict[int, _Choice] = {}
-        #: Choices out of the batch because their reader fell behind.
-        self._paused: list[_Choice] = []
-        #: Masks of free rows before ``min_tokens``, by the ids they suppress.
-        self._suppress_masks: dict[tuple[int, ...], Bitmask] = {}
-        self._restoring: dict[int, _Restore] = {}
-        self._to_free: list[int] = []
-        self._next_slot = 0
-        self._step = 0
-        self._info = engine.info
-        self._prefix = _prefix_index(config, self._info)
-        if self._prefix is not None:
-            handle.prefix_cache = self._prefix.stats
+        self._core = SchedulerCore(config, engine.info, guided=guides is not None)
+        handle.prefix_cache = self._core.prefix_stats
 
     async def run(
         self,
@@ -360,6 +238,7 @@ class Scheduler:
         to_sampler: ObjectSendStream[LogitsStep],
         from_sampler: ObjectReceiveStream[SampledStep],
     ) -> None:
+        core = self._core
         async with inbox, to_sampler, from_sampler:
             try:
                 step: tuple[StepPlan, PendingStep] | None = None
@@ -374,7 +253,8 @@ class Scheduler:
                             continue
                     plan, running = step
                     outcome = await running.result()
-                    batch = self._absorb(plan, outcome)
+                    batch = core.absorb(plan, outcome)
+                    self._flush()
                     step = None
                     if _failed(outcome) and self._engine_lost():
                         await self._recover()
@@ -386,65 +266,68 @@ class Scheduler:
                         samples = await self._take_greedy(batch, batch.greedy)
                         self._drain(inbox)
                         step = self._start(await self._next_plan())
-                        self._deliver_samples(samples)
+                        core.deliver_samples(samples)
+                        self._flush()
                     elif batch.choices:
                         await self._sample(batch, to_sampler, from_sampler)
                     self._publish_counters()
             finally:
                 with anyio.CancelScope(shield=True):
-                    for request in list(self._requests.values()):
-                        self._close(request)
-                    plan = StepPlan(frees=self._take_frees())
+                    plan = core.shutdown()
+                    self._flush()
                     await self._start_step(plan).result()
 
     async def _wait(self, inbox: MemoryObjectReceiveStream[SchedulerCommand]) -> bool:
         """Nothing to do: wait for a command (False once the inbox is closed),
         waking to end stalled requests, to check that the engine lives and
         to give memory back."""
-        self._plan_release()
-        with anyio.move_on_after(self._wait_limit()):
+        poll = LIVENESS_POLL_SECONDS if self._restartable is not None else None
+        with anyio.move_on_after(self._core.wake_after(time.monotonic(), poll=poll)):
             try:
-                self._handle_command(await inbox.receive())
+                self._command(await inbox.receive())
             except anyio.EndOfStream:
+                self._core.drain()
                 return False
         if self._engine_lost():
             await self._recover()
-        elif self._release_due():
+        elif self._core.release_due(time.monotonic()):
             await self._release_memory()
         return True
 
-    def _wait_limit(self) -> float:
-        limit = math.inf
-        if self._release_at is not None:
-            limit = self._release_at - time.monotonic()
-        timeout = self._config.stall_timeout
-        if timeout is not None:
-            for request in self._requests.values():
-                if request.paused_since is not None:
-                    limit = min(limit, request.paused_since + timeout - time.monotonic())
-        if self._restartable is not None:
-            limit = min(limit, LIVENESS_POLL_SECONDS)
-        return max(limit, 0.0)
+    def _command(self, command: SchedulerCommand) -> None:
+        self._core.command(command, time.monotonic())
+        self._flush()
 
-    # --- memory -------------------------------------------------------------
+    def _drain(self, inbox: MemoryObjectReceiveStream[SchedulerCommand]) -> None:
+        while True:
+            try:
+                self._command(inbox.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                return
 
-    def _plan_release(self) -> None:
-        """Once idle after some work: give memory back after the configured
-        quiet time (and not sooner than an interval after the last time)."""
-        delay = self._config.release_memory_after
-        if delay is None or not self._worked or self._requests or self._release_at is not None:
-            return
-        now = time.monotonic()
-        self._release_at = max(now + delay, self._released + RELEASE_INTERVAL_SECONDS)
-
-    def _release_due(self) -> bool:
-        # A request that came in during the wait goes first.
-        due = self._release_at is not None and time.monotonic() >= self._release_at
-        return due and not self._requests
+    def _flush(self) -> None:
+        """Carry the core's messages to the requests' outputs; a request whose
+        output cannot take one ends."""
+        core = self._core
+        while messages := core.take_messages():
+            for message in messages:
+                if isinstance(message, CloseOutput):
+                    message.output.close()
+                    continue
+                try:
+                    message.output.send_nowait(message.message)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    core.client_gone(message.request_id)  # the client went away
+                except anyio.WouldBlock:
+                    # An output is unbounded or sized for every step a request
+                    # can produce, so this is a bug in whoever sized it; that
+                    # request ends, not the server.
+                    logger.error("output channel of %s is full; dropping it", message.request_id)
+                    core.client_gone(message.request_id)
+        self._handle.queued -= core.take_dequeued()
 
     async def _release_memory(self) -> None:
-        self._worked, self._release_at = False, None
-        self._released = started = time.monotonic()
+        started = time.monotonic()
         try:
             await self._thread.run(release_memory, self._engine)
         except Exception:  # tried again after more work; serving goes on
@@ -462,15 +345,9 @@ class Scheduler:
         engine = self._restartable
         assert engine is not None
         self._handle.engine_available = False
-        for request in list(self._requests.values()):
-            self._fail(request, "the engine process was lost")
-        self._to_free.clear()  # those slots died with the engine
-        self._restoring.clear()
-        self._deferred.clear()
-        if self._prefix is not None:
-            # The cached KV died with the engine too.
-            self._prefix = _prefix_index(self._config, self._info)
-            self._handle.prefix_cache = self._prefix.stats if self._prefix else None
+        self._core.engine_lost()
+        self._flush()
+        self._handle.prefix_cache = self._core.prefix_stats
         self._publish_counters()
         for attempt in range(1, RESTART_ATTEMPTS + 1):
             logger.error(
@@ -491,758 +368,89 @@ class Scheduler:
         # Stays unavailable: /health answers 503 so that a supervisor restarts us.
         self._restartable = None
 
-    # --- commands ---------------------------------------------------------
-
-    def _drain(self, inbox: MemoryObjectReceiveStream[SchedulerCommand]) -> None:
-        while True:
-            try:
-                self._handle_command(inbox.receive_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream):
-                return
-
-    def _handle_command(self, command: SchedulerCommand) -> None:
-        if isinstance(command, Submit):
-            admitted = _Request(command)
-            self._requests[command.request.request_id] = admitted
-            self._waiting.append(admitted)
-            return
-        request = self._requests.get(command.request_id)
-        if request is None:
-            return  # already finished
-        if isinstance(command, Cancel):
-            self._close(request)
-        elif isinstance(command, Resume):
-            pass  # the next plan sees its backlog drained
-        elif (choice := request.choices.get(command.choice)) is not None:
-            self._drop_choice(request, choice, keep=True)
-
     # --- planning -----------------------------------------------------------
 
     def _start(self, plan: StepPlan | None) -> tuple[StepPlan, PendingStep] | None:
         if plan is None:
             return None
-        self._worked, self._release_at = True, None
+        self._core.started()
         return plan, self._start_step(plan)
 
-    def _reserved_rows(self) -> int:
-        reserved = len(self._rows) + len(self._restoring)
-        return reserved + sum(r.spec.n for r in self._prefilling)
-
-    def _can_admit(self) -> bool:
-        if not self._waiting:
-            return False
-        reserved = self._reserved_rows()
-        return reserved == 0 or reserved + self._waiting[0].spec.n <= self._config.max_num_seqs
-
     async def _next_plan(self) -> StepPlan | None:
-        planned = self._plan(await self._greedy_masks())
+        core = self._core
+        masks = await self._greedy_masks()
+        planned = core.plan(masks, time.monotonic())
+        self._flush()
         if planned is None:
             return None
-        plan, drawn = planned
-        if not plan.greedy or self._guides is None:
-            return plan
-        starting = {
-            work.request_id: _first_rows(self._requests[work.request_id].spec)
-            for work in plan.prefills
-            if work.final and not _starts_plain(self._requests[work.request_id].spec)
-        }
-        if not (drawn or starting):
-            return plan
+        if not (planned.drawn or planned.starting) or self._guides is None:
+            return planned.plan
         # Only now, for a step the engine picks the tokens of: a row takes
         # one draw per step, and a sampled step draws in the sampler.
-        first = [row for rows in starting.values() for row in rows]
-        live = self._running_keys()
-        draws = iter(await self._guides.draws(live, [row for _, row in drawn] + first))
-        by_slot = {choice.slot: next(draws) for choice, _ in drawn}
-        prefills = tuple(
-            replace(work, draws=tuple(next(draws) for _ in starting[work.request_id]))
-            if work.final and work.request_id in starting
-            else work
-            for work in plan.prefills
-        )
-        return replace(plan, draws=by_slot, prefills=prefills)
+        rows = [row for _, row in planned.drawn]
+        rows += [row for first in planned.starting.values() for row in first]
+        draws = await self._guides.draws(core.running_keys(), rows)
+        return with_draws(planned, draws)
 
     async def _greedy_masks(self) -> dict[int, Bitmask]:
         """The masks that let the next step be greedy with masked rows in it
-        (by slot): guided rows' from the sampler, and the ids a free row may
-        not pick before ``min_tokens``. Asked for only when every other
-        decoding row is plain, else the step is sampled anyway and the
-        sampler masks it."""
-        # The common step has no constrained row and none held back from EOS:
-        # decide that from the specs, without building a Row per running
-        # choice before every plan.
-        if all(_free(c) for c in self._rows.values()):
+        (by slot): the core's, and guided rows' from the sampler."""
+        needs = self._core.mask_needs()
+        if needs is None:
             return {}
-        masks: dict[int, Bitmask] = {}
-        guided: list[_Choice] = []
-        for choice in self._rows.values():
-            if choice.generated == 0:
-                continue
-            row = self._row(choice)
-            if row.plain or self._drawable(row):
-                continue
-            if row.constraint is None and _greedy_suppressing(row):
-                masks[choice.slot] = self._suppress_mask(row.suppress)
-            elif self._guides is not None and _greedy_guided(row):
-                guided.append(choice)
-            else:
-                return {}
+        masks, guided, slots = needs
         if guided and self._guides is not None:
-            allowed = await self._guides.allowed([self._row(c) for c in guided])
+            allowed = await self._guides.allowed(guided)
             if allowed is None:
                 return {}
-            masks.update((c.slot, mask) for c, mask in zip(guided, allowed, strict=True))
+            masks.update(zip(slots, allowed, strict=True))
         return masks
 
-    def _suppress_mask(self, suppress: tuple[int, ...]) -> Bitmask:
-        """Every id but ``suppress``: a free greedy row before ``min_tokens``
-        (kept per set of ids; a server sees few)."""
-        mask = self._suppress_masks.get(suppress)
-        if mask is None:
-            mask = every_token(self._engine.info.vocab_size, but=suppress)
-            if len(self._suppress_masks) >= 64:
-                self._suppress_masks.clear()
-            self._suppress_masks[suppress] = mask
-        return mask
-
-    def _plan(
-        self, masks: Mapping[int, Bitmask]
-    ) -> tuple[StepPlan, list[tuple[_Choice, Row]]] | None:
-        """The next step, and the decoded rows the engine is to draw the
-        tokens of (when it picks the step's tokens)."""
-        self._pause_lagging()
-        budget = self._config.prefill_chunk_tokens
-        prefills = []
-        for request in self._prefilling:
-            if budget <= 0:
-                break
-            if request.prefilled == len(request.spec.prompt_ids):
-                continue  # its final chunk is under way (deferred by the engine)
-            work = self._next_chunk(request, budget)
-            budget -= len(work.tokens)
-            prefills.append(work)
-        restores = self._plan_restores(budget)
-        budget -= sum(len(work.tokens) for work in restores)
-        prefills += restores
-        while budget > 0 and self._can_admit():
-            request = self._admit(self._waiting.popleft())
-            work = self._next_chunk(request, budget)
-            budget -= len(work.tokens)
-            prefills.append(work)
-        decoding = [c for c in self._rows.values() if c.generated > 0]
-        decode = {c.slot: c.last_token for c in decoding}
-        frees = self._take_frees()
-        # Taken last: keeping the chunks above may have evicted entries.
-        cache_ops = self._prefix.take_ops() if self._prefix is not None else ()
-        # A step with nothing else in it still brings deferred chunks' outcomes.
-        if not (cache_ops or frees or prefills or decode or self._deferred):
-            return None
-        starting = [self._requests[w.request_id] for w in prefills if w.final]
-        drawn = self._drawn(decoding, masks)
-        greedy = drawn is not None and all(
-            _starts_plain(r.spec) or (self._guides is not None and _starts_unadjusted(r.spec))
-            for r in starting
-        )
-        plan = StepPlan(
-            cache_ops=cache_ops,
-            frees=frees,
-            prefills=tuple(prefills),
-            decode=decode,
-            greedy=greedy,
-            masks={c.slot: masks[c.slot] for c in decoding if c.slot in masks} if greedy else {},
-        )
-        return plan, drawn if greedy and drawn else []
-
-    def _drawn(
-        self, decoding: list[_Choice], masks: Mapping[int, Bitmask]
-    ) -> list[tuple[_Choice, Row]] | None:
-        """The rows the engine must draw when it picks the step's tokens
-        (the others take their argmax, masked or not); None when a row needs
-        the sampler."""
-        drawn = []
-        for choice in decoding:
-            if choice.slot in masks:
-                continue
-            row = self._row(choice)
-            if row.plain:
-                continue
-            if not self._drawable(row):
-                return None
-            drawn.append((choice, row))
-        return drawn
-
-    # --- pacing -------------------------------------------------------------
-
-    def _pause_lagging(self) -> None:
-        """Take the rows of requests whose reader fell behind out of the
-        batch; end the requests paused past the stall timeout."""
-        lagging = [c for c in self._rows.values() if c.generated > 0 and _lags(c.request)]
-        for choice in lagging:
-            self._rows.pop(choice.slot)
-            self._to_free.append(choice.slot)
-            self._paused.append(choice)
-            if choice.request.paused_since is None:
-                choice.request.paused_since = time.monotonic()
-        if not self._paused:
-            return
-        for request in {c.request.spec.request_id: c.request for c in self._paused}.values():
-            if self._stalled(request):
-                logger.warning(
-                    "request %s stalled: its client stopped reading", request.spec.request_id
-                )
-                self._fail(request, "the client stopped reading", FailureCause.STALLED)
-
-    def _running_keys(self) -> set[tuple[str, int]]:
-        """The sampler's keys of every running choice, those this step does
-        not decode included. The sampler forgets any other key, and
-        forgetting one of these would restart its seeded stream (and its
-        penalty counts and grammar walk):
-
-        - a request whose final chunk was planned has drawn its first
-          tokens, and until that step is back its choices are not rows yet;
-        - a paused choice, or one being prefilled back, must come back
-          where it was.
-        """
-        keys = {c.key for c in self._rows.values()}
-        keys.update((r.spec.request_id, i) for r in self._prefilling for i in range(r.spec.n))
-        keys.update(c.key for c in self._paused)
-        keys.update(restore.choice.key for restore in self._restoring.values())
-        return keys
-
-    def _stalled(self, request: _Request) -> bool:
-        timeout = self._config.stall_timeout
-        since = request.paused_since
-        return timeout is not None and since is not None and time.monotonic() - since >= timeout
-
-    def _plan_restores(self, budget: int) -> list[PrefillWork]:
-        """Prefill work that brings paused choices back, once their reader
-        caught up: those under way first, then new ones while rows are free."""
-        for choice in list(self._paused):
-            if _lags(choice.request):
-                continue
-            if self._reserved_rows() >= self._config.max_num_seqs:
-                break
-            self._paused.remove(choice)
-            choice.request.paused_since = None
-            tokens = choice.request.spec.prompt_ids + tuple(choice.ids[:-1])
-            slot = self._new_slot()
-            self._restoring[slot] = _Restore(choice, slot, tokens)
-        works = []
-        for restore in self._restoring.values():
-            if budget <= 0:
-                break
-            end = min(len(restore.tokens), restore.done + budget)
-            if end == restore.done:
-                continue  # the last chunk is under way
-            works.append(
-                PrefillWork(
-                    request_id=restore.choice.request.spec.request_id,
-                    slot=restore.slot,
-                    tokens=restore.tokens[restore.done : end],
-                    final=False,
-                )
-            )
-            budget -= end - restore.done
-            restore.done = end
-        return works
-
-    def _restored(self, work: PrefillWork, error: str | None) -> None:
-        """A restore's chunk came back; after the last, the choice rejoins."""
-        restore = self._restoring.get(work.slot)
-        if restore is None:
-            return
-        request = restore.choice.request
-        if error is not None:
-            self._restoring.pop(work.slot)
-            self._to_free.append(work.slot)
-            if request.spec.request_id in self._requests:
-                self._fail(request, error)
-            return
-        if restore.done == len(restore.tokens):  # that was the last chunk
-            self._restoring.pop(work.slot)
-            restore.choice.slot = work.slot
-            self._rows[work.slot] = restore.choice
-
-    def _admit(self, request: _Request) -> _Request:
-        self._handle.queued -= 1
-        if self._config.on_admitted is not None:
-            self._config.on_admitted(time.monotonic() - request.arrived)
-        spec = request.spec
-        request.slots = tuple(self._new_slot() for _ in range(spec.n))
-        if spec.logprobs.prompt_top is not None:
-            request.scores = [None]
-        if self._prefix is not None:
-            # The last prompt token is always prefilled: its logits pick the
-            # first token. A request for prompt logprobs reuses nothing, so
-            # that every position is scored; its prompt is still kept.
-            reuse = 0 if request.scores is not None else len(spec.prompt_ids) - 1
-            hold = request.hold = self._prefix.lookup(spec.prompt_ids, reuse)
-            request.prefilled = request.cached = hold.length
-            request.restore = hold.entries if hold.length else ()
-        self._prefilling.append(request)
-        return request
-
-    def _next_chunk(self, request: _Request, budget: int) -> PrefillWork:
-        prompt = request.spec.prompt_ids
-        start = request.prefilled
-        end = min(len(prompt), start + budget)
-        request.prefilled = end
-        final = end == len(prompt)
-        top = request.spec.logprobs.prompt_top
-        restore, request.restore = request.restore, ()
-        return PrefillWork(
-            request_id=request.spec.request_id,
-            slot=request.slots[0],
-            tokens=prompt[start:end],
-            final=final,
-            top=top,
-            targets=prompt[start + 1 : end + 1] if top is not None else (),
-            forks=request.slots[1:] if final else (),
-            restore=restore,
-            restore_length=start if restore else 0,
-            keep=self._keep_chunk(request, end),
-        )
-
-    def _keep_chunk(self, request: _Request, end: int) -> KeepKV | None:
-        """Room in the prefix cache for the prompt up to ``end``, beyond what it holds."""
-        hold = request.hold
-        if self._prefix is None or hold is None:
-            return None
-        entry = self._prefix.reserve(hold, request.spec.prompt_ids[:end])
-        if entry is None:
-            return None
-        return KeepKV(entry=entry, slot=request.slots[0], start=hold.length, end=end)
-
-    def _keep_row(self, request: _Request, choice: _Choice) -> None:
-        """Keep a finished row's generated tokens (with the prompt's end, if
-        that was not kept): a next turn that sends them back reuses them."""
-        if self._prefix is None or request.hold is None or not choice.tokens:
-            return
-        # The last sampled token was never fed back, so the row has no KV for it.
-        path = request.spec.prompt_ids + tuple(choice.tokens[:-1])
-        self._prefix.keep_row(request.hold, path, choice.slot)
-
-    # --- after the engine ---------------------------------------------------
-
-    def _prefilled(
-        self, plan: StepPlan, outcome: StepOutcome
-    ) -> list[tuple[PrefillWork, PrefillOutcome]]:
-        """The prefills this outcome settles: the last step's deferred ones
-        (a step that failed as a whole fails them too), then this plan's that
-        ran; this plan's deferred ones are settled by the next."""
-        late = outcome.late
-        if len(late) != len(self._deferred):
-            failure = PrefillOutcome(error=outcome.decode_error or "the engine lost this prefill")
-            late = [failure] * len(self._deferred)
-        settled = list(zip(self._deferred, late, strict=True))
-        self._deferred = []
-        for work, result in zip(plan.prefills, outcome.prefills, strict=True):
-            if result.deferred:
-                self._deferred.append(work)
-            else:
-                settled.append((work, result))
-        return settled
-
-    def _absorb(self, plan: StepPlan, outcome: StepOutcome) -> _Batch:
-        """Bring the step's results in; return the rows to sample, with logits."""
-        prefilled = self._prefilled(plan, outcome)
-        if self._prefix is not None:
-            self._settle_cache(self._prefix, plan, outcome, prefilled)
-        rows = _Batch()
-        for work, result in prefilled:
-            if work.slot in self._restoring:
-                self._restored(work, result.error)
-                continue
-            request = self._requests.get(work.request_id)
-            if request is None:
-                continue
-            if result.error is not None:
-                self._fail(request, result.error)
-                continue
-            if request.scores is not None:
-                request.scores += result.scores
-            if work.final and result.logits is not None:
-                for choice in self._start_choices(request):
-                    picks, scores = result.greedy, None
-                    if work.draws and picks is not None:  # a pick per choice
-                        picks = picks[choice.index : choice.index + 1]
-                        if result.first_logprobs is not None:
-                            scores = [result.first_logprobs[choice.index]]
-                    rows.add([choice], result.logits, picks, scores)
-        if outcome.decode_error is not None:
-            for choice in [c for c in self._rows.values() if c.generated > 0]:
-                if choice.request.spec.request_id in self._requests:
-                    self._fail(choice.request, outcome.decode_error)
-        elif outcome.decode is not None:
-            slots = outcome.decode.slots
-            logits, greedy = outcome.decode.logits, outcome.decode_greedy
-            scores = outcome.decode_logprobs
-            kept = [i for i, slot in enumerate(slots) if slot in self._rows]
-            if len(kept) < len(slots):
-                # Rows that left while the step ran (cancelled, stopped): drop their results.
-                logits = logits[kept]
-                greedy = None if greedy is None else greedy[kept]
-                scores = None if scores is None else [scores[i] for i in kept]
-            rows.add([self._rows[slots[i]] for i in kept], logits, greedy, scores)
-        return rows
-
-    def _settle_cache(
-        self,
-        prefix: PrefixIndex,
-        plan: StepPlan,
-        outcome: StepOutcome,
-        prefilled: list[tuple[PrefillWork, PrefillOutcome]],
-    ) -> None:
-        """Link what the engine kept into the prefix cache's tree."""
-        if outcome.cache_error is not None:
-            logger.error("%s; the prefix cache starts afresh", outcome.cache_error)
-            prefix.reset()
-        for op in plan.cache_ops:
-            if isinstance(op, KeepKV) and (hold := prefix.kept(op.entry, ok=True)) is not None:
-                prefix.release(hold)  # a finished row's: nobody goes on with it
-        for work, result in prefilled:
-            if work.keep is None:
-                continue
-            hold = prefix.kept(work.keep.entry, ok=result.kept)
-            request = self._requests.get(work.request_id)
-            if hold is None:
-                continue
-            if request is None or request.hold is None:
-                prefix.release(hold)
-                continue
-            prefix.release(request.hold)
-            request.hold = hold
-
-    def _start_choices(self, request: _Request) -> list[_Choice]:
-        self._prefilling.remove(request)
-        if request.cached:
-            self._deliver(request, PromptCached(tokens=request.cached))
-        if request.scores is not None:
-            self._deliver(request, PromptScores(entries=tuple(request.scores)))
-            request.scores = None
-        if request.spec.request_id not in self._requests:  # the client went away
-            self._to_free += request.slots
-            return []
-        started = []
-        keep_tokens = self._prefix is not None
-        for index, slot in enumerate(request.slots):
-            choice = _Choice(
-                request=request, index=index, slot=slot, tokens=[] if keep_tokens else None
-            )
-            request.choices[index] = choice
-            self._rows[slot] = choice
-            started.append(choice)
-        return started
+    # --- sampling -----------------------------------------------------------
 
     async def _sample(
         self,
-        rows: _Batch,
+        batch: Batch,
         to_sampler: ObjectSendStream[LogitsStep],
         from_sampler: ObjectReceiveStream[SampledStep],
     ) -> None:
-        if not rows.choices:
-            return
-        self._step += 1
-        step = LogitsStep(
-            step=self._step,
-            rows=tuple(self._row(c) for c in rows.choices),
-            logits=rows.logits(),
-            live=frozenset(self._running_keys()),
-        )
+        core = self._core
+        step = core.sample_step(batch)
         sampled = self._sample_inline(step) if self._sample_inline is not None else None
         if sampled is None:
             await to_sampler.send(step)
             sampled = await from_sampler.receive()
         if sampled.constraints is not None:
-            self._fail_constrained(rows.choices, sampled.constraints)
-        self._deliver_samples(
-            self._decide(rows.choices, sampled.token_ids, sampled.logprobs, sampled.constraints)
+            core.fail_constrained(batch.choices, sampled.constraints)
+        core.deliver_samples(
+            core.decide(batch.choices, sampled.token_ids, sampled.logprobs, sampled.constraints)
         )
+        self._flush()
 
-    async def _take_greedy(self, batch: _Batch, tokens: list[int]) -> dict[str, list[TokenSample]]:
+    async def _take_greedy(self, batch: Batch, tokens: list[int]) -> dict[str, list[TokenSample]]:
         """Take in a step whose tokens the engine picked; guided rows in it
         advance their grammars by their tokens, as a sampled step's do."""
-        report = None
+        core = self._core
+        report: ConstraintReport | None = None
         if self._guides is not None and any(
             c.request.spec.constraint is not None for c in batch.choices
         ):
-            choices = [self._row(c) for c in batch.choices]
-            report = await self._guides.take(choices, tokens, self._running_keys())
+            report = await self._guides.take(core.rows(batch.choices), tokens, core.running_keys())
         if report is not None:
-            self._fail_constrained(batch.choices, report)
-        return self._decide(batch.choices, tokens, batch.scores, report)
-
-    def _fail_constrained(self, choices: list[_Choice], report: ConstraintReport) -> None:
-        """End the requests whose grammar failed; ``_decide`` drops their rows' tokens."""
-        for index, message in report.failed:
-            request = choices[index].request
-            if request.spec.request_id in self._requests:
-                self._fail(request, message)
-
-    def _row(self, choice: _Choice) -> Row:
-        spec = choice.request.spec
-        limits = spec.limits
-        suppress: tuple[int, ...] = ()
-        if choice.generated < limits.min_tokens:
-            eos = () if limits.ignore_eos else tuple(self._config.eos_ids)
-            suppress = eos + tuple(limits.stop_token_ids)
-        first = choice.generated == 0
-        row = choice.row
-        if row is None or row.first != first or row.suppress != suppress:
-            row = choice.row = _spec_row(spec, choice.index, first=first, suppress=suppress)
-        return row
-
-    def _drawable(self, row: Row) -> bool:
-        """Whether the engine can draw ``row``'s token (the sampler's core
-        lends it the row's random number)."""
-        return self._guides is not None and row.unadjusted
-
-    def _decide(
-        self,
-        rows: list[_Choice],
-        token_ids: Sequence[int],
-        logprobs: Sequence[TokenLogprob | None] | None,
-        constraints: ConstraintReport | None = None,
-    ) -> dict[str, list[TokenSample]]:
-        """Take one step's tokens in: advance each row, end the rows that finished."""
-        per_request: dict[str, list[TokenSample]] = {}
-        scores = logprobs or (None,) * len(rows)
-        complete = constraints.complete if constraints is not None else frozenset()
-        for index, (choice, token, logprob) in enumerate(zip(rows, token_ids, scores, strict=True)):
-            if choice.request.spec.request_id not in self._requests:
-                continue  # failed in this step
-            token = int(token)
-            choice.generated += 1
-            choice.last_token = token
-            choice.ids.append(token)
-            if choice.tokens is not None:
-                choice.tokens.append(token)
-            finish = self._finish_cause(choice, token, grammar_complete=index in complete)
-            sample = TokenSample(
-                choice=choice.index, token_id=token, logprob=logprob, finish=finish
-            )
-            per_request.setdefault(choice.request.spec.request_id, []).append(sample)
-            if finish is not None:
-                self._drop_choice(choice.request, choice, close=False, keep=True)
-        return per_request
-
-    def _deliver_samples(self, per_request: dict[str, list[TokenSample]]) -> None:
-        for request_id, samples in per_request.items():
-            request = self._requests.get(request_id)
-            if request is None:
-                continue
-            self._deliver(request, StepOutput(samples=tuple(samples)))
-            if not request.choices:
-                self._close(request)
-
-    def _finish_cause(
-        self, choice: _Choice, token: int, *, grammar_complete: bool = False
-    ) -> FinishCause | None:
-        # Before min_tokens the sampler cannot pick EOS or a stop token (they
-        # are suppressed in its row), so these checks need no min_tokens test;
-        # a grammar that allows only EOS overrides min_tokens.
-        limits = choice.request.spec.limits
-        if token in self._config.eos_ids and not limits.ignore_eos:
-            return FinishCause.EOS
-        if token in limits.stop_token_ids:
-            return FinishCause.STOP_TOKEN
-        if grammar_complete:
-            return FinishCause.GRAMMAR
-        if choice.generated >= limits.max_tokens:
-            return FinishCause.MAX_TOKENS
-        return None
-
-    # --- bookkeeping ------------------------------------------------------
-
-    def _deliver(self, request: _Request, message: RequestOutput) -> None:
-        try:
-            request.submit.output.send_nowait(message)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            self._close(request)  # the client went away
-        except anyio.WouldBlock:
-            # An output is unbounded or sized for every step a request can
-            # produce, so this is a bug in whoever sized it; that request
-            # ends, not the server.
-            logger.error("output channel of %s is full; dropping it", request.spec.request_id)
-            self._close(request)
-
-    def _drop_choice(
-        self, request: _Request, choice: _Choice, *, close: bool = True, keep: bool = False
-    ) -> None:
-        """``keep``: the row ended normally, and its KV goes to the prefix cache."""
-        request.choices.pop(choice.index, None)
-        if self._rows.pop(choice.slot, None) is not None:
-            if keep:
-                self._keep_row(request, choice)
-            self._to_free.append(choice.slot)
-        if close and not request.choices:
-            self._close(request)
-
-    def _close(self, request: _Request) -> None:
-        if self._requests.pop(request.spec.request_id, None) is None:
-            return
-        for choice in list(request.choices.values()):
-            self._drop_choice(request, choice, close=False)
-        if request in self._waiting:
-            self._waiting.remove(request)
-            self._handle.queued -= 1
-        if request in self._prefilling:
-            self._prefilling.remove(request)
-            self._to_free += request.slots
-        self._paused = [c for c in self._paused if c.request is not request]
-        for slot in [s for s, r in self._restoring.items() if r.choice.request is request]:
-            del self._restoring[slot]
-            self._to_free.append(slot)
-        if request.hold is not None and self._prefix is not None:
-            self._prefix.release(request.hold)
-            request.hold = None
-        request.submit.output.close()
-
-    def _fail(
-        self, request: _Request, message: str, cause: FailureCause = FailureCause.ENGINE
-    ) -> None:
-        self._deliver(request, RequestFailed(message=message, cause=cause))
-        self._close(request)
-
-    def _take_frees(self) -> tuple[int, ...]:
-        frees, self._to_free = tuple(self._to_free), []
-        return frees
+            core.fail_constrained(batch.choices, report)
+        samples = core.decide(batch.choices, tokens, batch.scores, report)
+        self._flush()
+        return samples
 
     def _publish_counters(self) -> None:
+        counters = self._core.counters()
         handle = self._handle
-        handle.running_requests = len(self._requests) - len(self._waiting)
-        handle.running_rows = len(self._rows)
-        handle.free_rows = max(0, self._config.max_num_seqs - self._reserved_rows())
-        handle.paused_requests = len({c.request.spec.request_id for c in self._paused})
-        handle.cached_tokens = sum(
-            len(c.request.spec.prompt_ids) + c.generated for c in self._rows.values()
-        ) + sum(r.prefilled for r in self._prefilling)
-
-    def _new_slot(self) -> int:
-        self._next_slot += 1
-        return self._next_slot
-
-
-@dataclass(slots=True)
-class _Batch:
-    """The rows of one sampling step, with their logits as engine blocks."""
-
-    choices: list[_Choice] = field(default_factory=list)
-    blocks: list[np.ndarray] = field(default_factory=list)
-    #: The engine's pick per row, when it picked the whole step's tokens.
-    greedy_blocks: list[np.ndarray] | None = field(default_factory=list)
-    #: The logprobs of the rows the engine drew, where one asked (else None).
-    scores: list[TokenLogprob | None] | None = None
-
-    def add(
-        self,
-        choices: list[_Choice],
-        block: np.ndarray,
-        greedy: np.ndarray | None,
-        scores: list[TokenLogprob | None] | None,
-    ) -> None:
-        assert len(choices) == block.shape[0]
-        if scores is not None or self.scores is not None:
-            none: list[TokenLogprob | None] = [None]
-            before = self.scores if self.scores is not None else none * len(self.choices)
-            self.scores = before + (scores if scores is not None else none * len(choices))
-        self.choices += choices
-        self.blocks.append(block)
-        if greedy is None or self.greedy_blocks is None:
-            self.greedy_blocks = None
-        else:
-            self.greedy_blocks.append(greedy)
-
-    @property
-    def greedy(self) -> list[int] | None:
-        if self.greedy_blocks is None or not self.choices:
-            return None
-        return [int(t) for block in self.greedy_blocks for t in block.tolist()]
-
-    def logits(self) -> np.ndarray:
-        # The usual step is one decode block, passed on without a copy.
-        return self.blocks[0] if len(self.blocks) == 1 else np.concatenate(self.blocks)
-
-
-def _lags(request: _Request) -> bool:
-    """Whether the request's reader is too far behind."""
-    backlog = request.submit.backlog
-    return backlog is not None and backlog.full
+        handle.running_requests = counters.running_requests
+        handle.running_rows = counters.running_rows
+        handle.free_rows = counters.free_rows
+        handle.paused_requests = counters.paused_requests
+        handle.cached_tokens = counters.cached_tokens
 
 
 def _failed(outcome: StepOutcome) -> bool:
     return outcome.decode_error is not None or any(p.error for p in outcome.prefills)
-
-
-def _prefix_index(config: SchedulerConfig, info: EngineInfo) -> PrefixIndex | None:
-    if config.prefix_cache_bytes <= 0 or info.kv_bytes_per_token <= 0:
-        return None
-    return PrefixIndex(
-        budget_bytes=config.prefix_cache_bytes, bytes_per_token=info.kv_bytes_per_token
-    )
-
-
-def _free(choice: _Choice) -> bool:
-    """A choice that needs no mask: no constraint, and past ``min_tokens``."""
-    spec = choice.request.spec
-    return spec.constraint is None and choice.generated >= spec.limits.min_tokens
-
-
-def _masked_argmax(row: Row) -> bool:
-    """Whether a row's next token is an argmax among what a mask allows:
-    greedy, nothing to adjust, no logprobs, and not its first token (the
-    first goes through the sampler with the rest of its prefill's step)."""
-    sampling = row.sampling
-    return (
-        not row.first
-        and sampling.greedy
-        and not sampling.logit_bias
-        and not sampling.penalised
-        and not row.logprobs.per_token
-    )
-
-
-def _greedy_guided(row: Row) -> bool:
-    """A constrained row whose next token the engine can pick under its
-    grammar's mask (the grammar engine computes a row's first mask as it
-    starts the row, in the sampler). ``suppress`` goes into the mask."""
-    return row.constraint is not None and _masked_argmax(row)
-
-
-def _greedy_suppressing(row: Row) -> bool:
-    """A free greedy row held back from EOS and stop tokens (``min_tokens``):
-    an argmax among every other id, as the sampler would pick."""
-    return bool(row.suppress) and _masked_argmax(row)
-
-
-def _starts_unadjusted(spec: GenerationRequest) -> bool:
-    """Whether a request's first tokens can be drawn by the engine (its
-    first rows are ``Row.unadjusted``: with ``min_tokens`` they suppress EOS)."""
-    return is_unadjusted(spec.sampling, spec.constraint) and spec.limits.min_tokens == 0
-
-
-def _spec_row(
-    spec: GenerationRequest, index: int, *, first: bool, suppress: tuple[int, ...] = ()
-) -> Row:
-    return Row(
-        request_id=spec.request_id,
-        choice=index,
-        sampling=spec.sampling,
-        logprobs=spec.logprobs,
-        prompt_ids=spec.prompt_ids,
-        first=first,
-        suppress=suppress,
-        constraint=spec.constraint,
-    )
-
-
-def _first_rows(spec: GenerationRequest) -> list[Row]:
-    """The rows of a request's choices for their first token, as ``_row``
-    makes them (for a request that starts unadjusted, so none suppresses)."""
-    return [_spec_row(spec, index, first=True) for index in range(spec.n)]
-
-
-def _starts_plain(spec: GenerationRequest) -> bool:
-    """Whether a request's first token is a plain argmax (``Row.plain``; with
-    ``min_tokens`` its first row suppresses EOS)."""
-    return is_argmax(spec.sampling, spec.logprobs, spec.constraint) and spec.limits.min_tokens == 0

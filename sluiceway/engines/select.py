@@ -11,43 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import re
-from typing import TYPE_CHECKING
 
 from sluiceway.engines.base import Engine
+from sluiceway.engines.device import resolve_device
 from sluiceway.engines.loader import ModelSource
-
-if TYPE_CHECKING:
-    import torch
 
 logger = logging.getLogger(__name__)
 
 ENGINES = ("auto", "mlx", "transformers")
-
-#: ``--device`` values: what the transformers engine accepts (``cuda:N`` is
-#: the N-th CUDA device). The configuration checks against this one list.
-DEVICES = ("auto", "cpu", "cuda", "cuda:N")
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-
-
-def check_device(choice: str) -> str:
-    """``choice`` if it is one of :data:`DEVICES` (N a device index)."""
-    if not _DEVICE.fullmatch(choice):
-        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, not {choice!r}")
-    return choice
-
-
-def resolve_device(choice: str) -> torch.device:
-    """The transformers engine's device: ``auto`` is CUDA when a GPU is
-    visible, else the CPU."""
-    import torch
-
-    if check_device(choice) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(choice)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
-    return device
 
 
 def choose_engine(choice: str) -> str:

@@ -66,9 +66,9 @@ from sluiceway.engines.base import (
     SplitKV,
     config_max_context,
 )
+from sluiceway.engines.device import resolve_device
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.memory import host_available_bytes
-from sluiceway.engines.select import resolve_device
 from sluiceway.engines.torch_packed import KEYWORD, Packed, StoreCache, attend
 
 logger = logging.getLogger(__name__)

@@ -28,16 +28,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-if TYPE_CHECKING:
-    from sluiceway.engines.torch_engine import KVRows
-
 #: The keyword of the model call that carries the split.
 KEYWORD = "sluiceway_packed"
+
+
+class Store(Protocol):
+    """Where a cache layer's writes go: the engine's ``KVRows``, or a packed pass."""
+
+    @property
+    def window(self) -> int: ...
+
+    def write(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class Rows(Store, Protocol):
+    """What a packed pass needs of the engine's ``KVRows`` (named by shape, so
+    that this module does not import the engine that imports it)."""
+
+    rows: int
+
+    def advance(self, length: int) -> None: ...
 
 
 @dataclass(slots=True)
@@ -46,10 +63,10 @@ class Packed:
     (set by :meth:`write`, read by :func:`attend`)."""
 
     #: The running batch, when the pass decodes it.
-    batch: KVRows | None
+    batch: Rows | None
     #: The running batch's additive decode mask ``[rows, 1, 1, window]``, or None.
     decode_mask: torch.Tensor | None
-    chunks: Sequence[KVRows]
+    chunks: Sequence[Rows]
     lengths: Sequence[int]
     #: By layer: the batch's window (if it decodes), then each chunk's, as
     #: ``(keys, values)``.
@@ -139,17 +156,6 @@ def attend(
         offset = stop
     packed.attended += 1
     return torch.cat(parts, dim=1).contiguous()
-
-
-class Store(Protocol):
-    """Where a cache layer's writes go: :class:`KVRows`, or a packed pass."""
-
-    @property
-    def window(self) -> int: ...
-
-    def write(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class _StoreLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]

@@ -38,6 +38,8 @@ class ToolFragment:
     index: int
     name: str | None
     arguments: str
+    #: The id the model wrote for the call (first fragment only); None: minted.
+    call_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +204,7 @@ class ChunkAssembler:
         builder = builders[-1]
         for span in event.name_spans:
             self._claim(builder, span.token, Channel.TOOL_CALL)
-        builder.fragments.append(ToolFragment(event.tool_index, event.name, ""))
+        builder.fragments.append(ToolFragment(event.tool_index, event.name, "", event.call_id))
 
     def _route_span(self, builders: list[_ChunkBuilder], span: Span) -> None:
         if span.channel is Channel.DROPPED:

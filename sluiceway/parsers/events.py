@@ -63,6 +63,8 @@ class ToolCallOpened:
 
     tool_index: int
     name_spans: tuple[Span, ...]
+    #: The call's id where the format writes one (Kimi K2's ``functions.NAME:IDX``).
+    call_id: str | None = None
 
     @property
     def name(self) -> str:

@@ -23,6 +23,7 @@ and only changes state.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -40,9 +41,6 @@ from sluiceway.protocol.constraints import ReasoningGate
 
 OPEN_TAG = "<think>"
 CLOSE_TAG = "</think>"
-#: Appended to a prompt that leaves reasoning open, to force what follows
-#: (a tool call) out of it: the close tag and the blank line templates write.
-FORCED_CLOSE = CLOSE_TAG + "\n\n"
 
 
 class ReasoningState(enum.Enum):
@@ -64,19 +62,44 @@ _TRANSITIONS: MappingProxyType[ReasoningState, frozenset[ReasoningState]] = Mapp
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReasoningDialect:
-    """What differs between the think-tag dialects."""
+    """What differs between the reasoning dialects: data, one per family."""
 
     name: str
-    #: The output begins inside reasoning (only ``</think>`` is expected).
-    starts_in_reasoning: bool
+    #: The output begins inside reasoning (only the closing tag is expected).
+    starts_in_reasoning: bool = False
+    open_tag: str = OPEN_TAG
+    close_tag: str = CLOSE_TAG
+    #: Markup that ends reasoning without its closing tag and belongs to what
+    #: follows (a tool call the model opened while still thinking): it is
+    #: passed on as content, for the tool-call parser.
+    ends_at: tuple[str, ...] = ()
+
+    @property
+    def forced_close(self) -> str:
+        """Appended to a prompt that leaves reasoning open, to force what
+        follows (a tool call) out of it: the close tag and the blank line
+        templates write."""
+        return self.close_tag + "\n\n"
 
 
-QWEN3 = ReasoningDialect(name="qwen3", starts_in_reasoning=False)
+QWEN3 = ReasoningDialect(name="qwen3")
 DEEPSEEK_R1 = ReasoningDialect(name="deepseek_r1", starts_in_reasoning=True)
-
+#: GLM-4.5/4.6/4.7: a call opened inside ``<think>`` ends the reasoning.
+GLM45 = ReasoningDialect(name="glm45", ends_at=("<tool_call>",))
+KIMI_K2 = ReasoningDialect(name="kimi_k2", ends_at=("<|tool_calls_section_begin|>",))
+MINIMAX_M2 = ReasoningDialect(name="minimax_m2", ends_at=("<minimax:tool_call>",))
+#: DeepSeek V3.1/V3.2: the template opens (thinking) or closes the block.
+DEEPSEEK_V3 = ReasoningDialect(name="deepseek_v3", ends_at=("<｜tool▁calls▁begin｜>",))
+#: Magistral, Devstral and later Mistral models.
+MISTRAL = ReasoningDialect(
+    name="mistral", open_tag="[THINK]", close_tag="[/THINK]", ends_at=("[TOOL_CALLS]",)
+)
 
 DIALECTS: MappingProxyType[str, ReasoningDialect] = MappingProxyType(
-    {QWEN3.name: QWEN3, DEEPSEEK_R1.name: DEEPSEEK_R1}
+    {
+        dialect.name: dialect
+        for dialect in (QWEN3, DEEPSEEK_R1, GLM45, KIMI_K2, MINIMAX_M2, DEEPSEEK_V3, MISTRAL)
+    }
 )
 
 
@@ -93,26 +116,27 @@ def reasoning_gate(
     it); otherwise the constraint waits for the token that closes reasoning.
     ``token_id`` gives a text's token id when it is exactly one token.
     """
-    state = primed_state(assistant_prefix)
+    state = primed_state(assistant_prefix, dialect)
     if state in (ReasoningState.CLOSED, ReasoningState.CONTENT):
         return None
-    end_id = token_id(CLOSE_TAG)
+    close = dialect.close_tag
+    end_id = token_id(close)
     if end_id is None:
         raise UnsupportedGateError(
-            f"{CLOSE_TAG} is not one token of this model, so a constraint cannot start after it"
+            f"{close} is not one token of this model, so a constraint cannot start after it"
         )
     if state is ReasoningState.REASONING or dialect.starts_in_reasoning:
         return ReasoningGate(end_id=end_id, inside=True)
-    start_id = token_id(OPEN_TAG)
+    start_id = token_id(dialect.open_tag)
     return None if start_id is None else ReasoningGate(end_id=end_id, start_id=start_id)
 
 
-def primed_state(prefix: str) -> ReasoningState:
+def primed_state(prefix: str, dialect: ReasoningDialect = QWEN3) -> ReasoningState:
     """The state the assistant prefix leaves the output in (``START`` when it shows no tag)."""
-    opened = prefix.rfind(OPEN_TAG)
-    closed = prefix.rfind(CLOSE_TAG)
+    opened = prefix.rfind(dialect.open_tag)
+    closed = prefix.rfind(dialect.close_tag)
     if closed > opened:
-        tail = prefix[closed + len(CLOSE_TAG) :]
+        tail = prefix[closed + len(dialect.close_tag) :]
         return (
             ReasoningState.CLOSED if all(c in WHITESPACE for c in tail) else ReasoningState.CONTENT
         )
@@ -133,7 +157,7 @@ class ReasoningParser(SpanStage):
         self._state = ReasoningState.START
         self._held = HeldText()  # START only: leading whitespace and a partial <think>
         self._tag_progress = 0
-        self._scanner = MarkerScanner(_CLOSE_MARKERS)
+        self._scanner = MarkerScanner(MarkerSet((dialect.close_tag, *dialect.ends_at)))
         self._primed = ""
 
     @property
@@ -146,7 +170,7 @@ class ReasoningParser(SpanStage):
             raise PrimeError("a reasoning parser can only be primed before it is fed")
         self._primed += text
         # Priming may jump to any state: it describes where the prompt left off.
-        self._state = primed_state(self._primed)
+        self._state = primed_state(self._primed, self.dialect)
 
     @property
     def held_from(self) -> int | None:
@@ -193,10 +217,10 @@ class ReasoningParser(SpanStage):
             char = text[position]
             if self._tag_progress == 0 and char in WHITESPACE:
                 self._held.append(token, char)
-            elif char == OPEN_TAG[self._tag_progress]:
+            elif char == self.dialect.open_tag[self._tag_progress]:
                 self._held.append(token, char)
                 self._tag_progress += 1
-                if self._tag_progress == len(OPEN_TAG):
+                if self._tag_progress == len(self.dialect.open_tag):
                     out.extend(spans_of(self._held.take_all(), Channel.DROPPED, Channel.REASONING))
                     self._enter(ReasoningState.REASONING)
                     return position + 1
@@ -218,7 +242,12 @@ class ReasoningParser(SpanStage):
     def _on_reasoning(self, token: int, text: str, position: int, out: list[Event]) -> int:
         events, position = self._scanner.scan(token, text, position)
         for event in events:
-            if isinstance(event, MarkerFound):
+            if isinstance(event, MarkerFound) and event.marker != self.dialect.close_tag:
+                # Markup that opens what follows reasoning: it is content.
+                self._enter(ReasoningState.CLOSED)
+                self._enter(ReasoningState.CONTENT)
+                out.extend(spans_of(event.pieces, Channel.CONTENT))
+            elif isinstance(event, MarkerFound):
                 out.extend(spans_of(event.pieces, Channel.DROPPED, Channel.REASONING))
                 self._enter(ReasoningState.CLOSED)
             else:
@@ -240,8 +269,6 @@ class ReasoningParser(SpanStage):
         return len(text)
 
 
-_CLOSE_MARKERS = MarkerSet((CLOSE_TAG,))
-
 _HANDLERS: MappingProxyType[ReasoningState, _Handler] = MappingProxyType(
     {
         ReasoningState.START: ReasoningParser._on_start,
@@ -250,6 +277,11 @@ _HANDLERS: MappingProxyType[ReasoningState, _Handler] = MappingProxyType(
         ReasoningState.CONTENT: ReasoningParser._on_content,
     }
 )
+
+
+def parser_of(dialect: ReasoningDialect) -> Callable[[], ReasoningParser]:
+    """A factory of fresh parsers of ``dialect``."""
+    return functools.partial(ReasoningParser, dialect)
 
 
 def qwen3() -> ReasoningParser:

@@ -7,18 +7,19 @@ each choice (stages are stateful, so they are never shared).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol, TypeVar
 
-from sluiceway.parsers import reasoning
+from sluiceway.parsers import formats, reasoning
 from sluiceway.parsers.events import Channel
+from sluiceway.parsers.formats import FORMATS, ToolSchema
+from sluiceway.parsers.formats.render import forced_prefix
 from sluiceway.parsers.pipeline import ChoicePipeline, StopStage, TextStage
 from sluiceway.parsers.stages import ParserError
 from sluiceway.parsers.stop import StopMatcher
-from sluiceway.parsers.tools import hermes, qwen3_coder
-from sluiceway.parsers.tools.base import ToolSchema
 from sluiceway.protocol.tokens import TokenTable
 
 __all__ = [
@@ -35,6 +36,8 @@ __all__ = [
     "detect_parsers",
     "forced_reasoning_close",
     "forced_tool_prefix",
+    "markup_texts",
+    "mentions_tools",
 ]
 
 
@@ -58,20 +61,11 @@ class ToolParserFactory(Protocol):
 
 
 REASONING_PARSERS: Mapping[str, Callable[[], PrimedStage]] = MappingProxyType(
-    {"qwen3": reasoning.qwen3, "deepseek_r1": reasoning.deepseek_r1}
+    {name: reasoning.parser_of(dialect) for name, dialect in reasoning.DIALECTS.items()}
 )
 
 TOOL_PARSERS: Mapping[str, ToolParserFactory] = MappingProxyType(
-    {"hermes": hermes.hermes, "qwen3_coder": qwen3_coder.qwen3_coder}
-)
-
-_FORCED_PREFIXES: Mapping[str, Callable[[str | None], str]] = MappingProxyType(
-    {"hermes": hermes.forced_prefix, "qwen3_coder": qwen3_coder.forced_prefix}
-)
-
-#: What closes an open reasoning block before a forced tool call.
-_FORCED_CLOSES: Mapping[str, str] = MappingProxyType(
-    {"qwen3": reasoning.FORCED_CLOSE, "deepseek_r1": reasoning.FORCED_CLOSE}
+    {name: functools.partial(formats.parser, name) for name in FORMATS}
 )
 
 
@@ -87,8 +81,8 @@ class ParserChoice:
 class TextPathOptions:
     """Everything of a request that shapes one choice's text path."""
 
-    reasoning_parser: str | None = None  # "qwen3" | "deepseek_r1"
-    tool_parser: str | None = None  # "hermes" | "qwen3_coder"; None = no tool parsing
+    reasoning_parser: str | None = None  # a name in REASONING_PARSERS
+    tool_parser: str | None = None  # a name in TOOL_PARSERS; None = no tool parsing
     tools: tuple[ToolSchema, ...] = ()
     parallel_tool_calls: bool = True
     stop: tuple[str, ...] = ()
@@ -132,7 +126,7 @@ def build_pipeline(table: TokenTable, options: TextPathOptions) -> ChoicePipelin
 def forced_tool_prefix(tool_parser: str, name: str | None) -> str:
     """The assistant prefix that forces a tool call: any tool (``None``, i.e.
     ``tool_choice: "required"``) or the named function."""
-    return _lookup(_FORCED_PREFIXES, tool_parser, "tool")(name)
+    return forced_prefix(_lookup(FORMATS, tool_parser, "tool"), name)
 
 
 def forced_reasoning_close(reasoning_parser: str | None, assistant_prefix: str) -> str:
@@ -145,7 +139,7 @@ def forced_reasoning_close(reasoning_parser: str | None, assistant_prefix: str) 
     stage.prime(assistant_prefix)
     if stage.open_channel(Channel.CONTENT) is not Channel.REASONING:
         return ""
-    return _FORCED_CLOSES[reasoning_parser]
+    return reasoning.DIALECTS[reasoning_parser].forced_close
 
 
 def detect_parsers(
@@ -170,15 +164,77 @@ def detect_parsers(
 def _detect_reasoning(
     template: str, vocabulary: Collection[str], prefixes: tuple[str, ...]
 ) -> str | None:
+    if "[THINK]" in vocabulary and "[THINK]" in template:
+        return "mistral"
     if "<think>" not in vocabulary or "</think>" not in vocabulary or "think" not in template:
         return None
+    family = _detect_tools(template, vocabulary)
+    if family is not None and family in _FAMILY_REASONING:
+        return _FAMILY_REASONING[family]
     return "deepseek_r1" if _always_opens_think(prefixes) else "qwen3"
 
 
+#: Families whose reasoning a tool call may end (see ``ReasoningDialect.ends_at``).
+_FAMILY_REASONING: Mapping[str, str] = MappingProxyType(
+    {
+        "glm45": "glm45",
+        "glm47": "glm45",
+        "kimi_k2": "kimi_k2",
+        "minimax_m2": "minimax_m2",
+        "deepseek_v31": "deepseek_v3",
+        "deepseek_v3": "deepseek_v3",
+    }
+)
+
+#: (family, evidence in the template): the first whose evidence is all there wins.
+_TOOL_EVIDENCE: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("kimi_k2", ("<|tool_calls_section_begin|>",)),
+    ("deepseek_v3", ("<｜tool▁calls▁begin｜>", "```json")),
+    ("deepseek_v31", ("<｜tool▁calls▁begin｜>",)),
+    ("minimax_m2", ("<minimax:tool_call>",)),
+    ("glm45", ("<arg_key>", "\n<arg_value>")),
+    ("glm47", ("<arg_key>",)),
+    ("mistral", ("[TOOL_CALLS]",)),
+    ("qwen3_coder", ("<tool_call>", "<function=")),
+    ("hermes", ("<tool_call>",)),
+    ("pythonic", ("[func_name1(",)),
+    ("llama3_json", ('"parameters": dictionary of argument name',)),
+    ("llama3_json", ("<|python_tag|>",)),
+)
+
+
 def _detect_tools(template: str, vocabulary: Collection[str]) -> str | None:
-    if "<tool_call>" not in vocabulary or "<tool_call>" not in template:
-        return None
-    return "qwen3_coder" if "<function=" in template else "hermes"
+    for family, evidence in _TOOL_EVIDENCE:
+        if all(text in template for text in evidence) and _spelled(family, vocabulary):
+            return family
+    return None
+
+
+def _spelled(family: str, vocabulary: Collection[str]) -> bool:
+    """The family's first markup is one token of the vocabulary, where its
+    models have it so (plain-text markup such as ``[`` needs no token)."""
+    fmt = FORMATS[family]
+    openers = [lit.text for lit, _ in formats.graph_of(family).entry]
+    if any(text not in fmt.special for text in openers):
+        return True
+    return all(text in vocabulary for text in openers)
+
+
+def mentions_tools(template: str | None) -> bool:
+    """Whether a chat template renders tool calls at all."""
+    return template is not None and "tool_calls" in template
+
+
+def markup_texts(reasoning_parser: str | None, tool_parser: str | None) -> tuple[str, ...]:
+    """The markup the chosen parsers read: where the tokenizer has it as a
+    special token, the token must show in the text the parsers are fed."""
+    texts: list[str] = []
+    if reasoning_parser is not None:
+        dialect = reasoning.DIALECTS[reasoning_parser]
+        texts += [dialect.open_tag, dialect.close_tag, *dialect.ends_at]
+    if tool_parser is not None:
+        texts += FORMATS[tool_parser].special
+    return tuple(dict.fromkeys(texts))
 
 
 def _always_opens_think(prefixes: tuple[str, ...]) -> bool:

@@ -364,6 +364,8 @@ class ToolCallDelta:
     index: int
     arguments: str
     name: str | None = None
+    #: The id the model wrote (first fragment only); None: the encoder mints one.
+    call_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -319,7 +319,12 @@ class SluicewayApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers: Headers = scope.get("headers", ())
-        record = RequestRecord(request_id(headers), scope["method"], scope["path"])
+        record = RequestRecord(
+            request_id(headers),
+            scope["method"],
+            scope["path"],
+            on_gap=self.metrics.inter_token.observe,
+        )
         extra = [(b"x-request-id", record.request_id.encode()), *self.cors.reply_headers(headers)]
 
         async def tracking_send(message: Message) -> None:

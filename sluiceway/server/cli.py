@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from sluiceway.server.app import SluicewayApp
 
 from sluiceway import __version__
-from sluiceway.engines.select import DEVICES
+from sluiceway.engines.device import DEVICES
 from sluiceway.server.config import CHOICES, LOG_FORMAT, ServerConfig
 
 #: Model loading (and building the default model) happens during start-up.

@@ -8,8 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from sluiceway.engines.select import check_device
+from sluiceway.engines.device import check_device
 from sluiceway.engines.vllm_engine import VllmOptions, parse_extra_args
+from sluiceway.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
 
 WorkerClass = Literal["asyncio", "trio"]
 
@@ -31,8 +32,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "worker_class": ("asyncio", "trio"),
     "logprobs_mode": ("raw", "processed"),
     "reasoning_field": ("reasoning_content", "reasoning", "both"),
-    "reasoning_parser": ("auto", "none", "qwen3", "deepseek_r1"),
-    "tool_call_parser": ("auto", "none", "hermes", "qwen3_coder"),
+    "reasoning_parser": ("auto", "none", *REASONING_PARSERS),
+    "tool_call_parser": ("auto", "none", *TOOL_PARSERS),
     "log_level": ("debug", "info", "warning", "error"),
     "distributed_executor_backend": ("auto", "mp", "ray", "uni", "external_launcher"),
 }
@@ -47,7 +48,7 @@ class ServerConfig:
     model: str | None = None
     served_model_name: str | None = None
     engine: Literal["auto", "mlx", "transformers", "vllm"] = "auto"
-    #: auto, cpu, cuda or cuda:N (``engines.select.DEVICES``).
+    #: auto, cpu, cuda or cuda:N (``engines.device.DEVICES``).
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     #: None: a child process on the CPU, the engine thread on a GPU (and in

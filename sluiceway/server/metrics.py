@@ -11,8 +11,9 @@ docs/deployment.md has the table.
 
 The gauges are read from the scheduler's counters when Prometheus scrapes
 (a collector), not kept up to date on every step; the histograms and
-counters are fed once per request, when it ends, except the inter-token gap,
-which is observed as deltas go out.
+counters are fed once per request, when it ends, except the queue time
+(observed at admission) and the inter-token gap (observed by the request's
+record at each delta after the first: ``RequestRecord.on_gap``).
 """
 
 from __future__ import annotations

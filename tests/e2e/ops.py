@@ -41,13 +41,6 @@ def engine_child(server: RunningServer) -> int:
     raise AssertionError("the server has no engine process")
 
 
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
 def chat(server: RunningServer, **fields: Any) -> dict[str, Any]:
     return {
         "model": server.model,
@@ -69,6 +62,8 @@ class Stream:
     error: BaseException | None = None
     first: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
+    #: Set by :meth:`hang_up`: the reader closes the connection at its next line.
+    leaving: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> Stream:
         threading.Thread(target=self._run, daemon=True).start()
@@ -87,18 +82,29 @@ class Stream:
             ):
                 self.status = reply.status_code
                 for line in reply.iter_lines():
+                    if self.leaving.is_set():
+                        break
                     if line.startswith("data: "):
                         self.lines.append(line[6:])
                         self.first.set()
-        except BaseException as error:  # reported by the test
+        except BaseException as error:  # raised again in the test's thread by wait()
             self.error = error
         finally:
             self.first.set()
             self.done.set()
 
     def wait(self, seconds: float) -> Stream:
+        """Wait for the stream to end; a stream that failed (refused, cut,
+        unreadable) raises its error here, in the test."""
         assert self.done.wait(seconds), "the stream did not end"
+        if self.error is not None:
+            raise AssertionError(f"the stream failed: {self.error!r}") from self.error
         return self
+
+    def hang_up(self, seconds: float) -> Stream:
+        """Close the connection at the next line read, as a client that leaves."""
+        self.leaving.set()
+        return self.wait(seconds)
 
     @property
     def chunks(self) -> list[dict[str, Any]]:
@@ -107,6 +113,8 @@ class Stream:
     @property
     def ended_well(self) -> bool:
         """Finished: a finish reason, then ``[DONE]``."""
+        if self.error is not None:
+            raise AssertionError(f"the stream failed: {self.error!r}") from self.error
         reasons = [c["choices"][0].get("finish_reason") for c in self.chunks if c.get("choices")]
         return bool(self.lines) and self.lines[-1] == "[DONE]" and reasons[-1] is not None
 

@@ -114,6 +114,18 @@ AGENT_CALL = Script(
     ),
 )  # fmt: skip
 
+#: The same call as hermes models also write it: no newline after
+#: ``<tool_call>`` (the strict-tool grammar once demanded one and forced the
+#: model's arguments into garbage).
+AGENT_CALL_TIGHT = Script(
+    "agent_call_tight",
+    (
+        PROMPT_END, "<think>", "\nLook", " it", " up.\n", "</think>", "\n\n",
+        "<tool_call>", '{"name": "get_weather", "arguments": ', '{"city": "Oslo"}', "}",
+        "</tool_call>",
+    ),
+)  # fmt: skip
+
 #: The agent's answer, once the tool's output (holding this selector) is back.
 AGENT_DONE = Script(
     "agent_done",
@@ -124,7 +136,7 @@ AGENT_DONE = Script(
     priority=1,
 )  # fmt: skip
 
-RESPONSES_SCRIPTS = (NAMESPACED, CUSTOM_CALL, AGENT_CALL, AGENT_DONE)
+RESPONSES_SCRIPTS = (NAMESPACED, CUSTOM_CALL, AGENT_CALL, AGENT_CALL_TIGHT, AGENT_DONE)
 
 
 ALL_SCRIPTS = (

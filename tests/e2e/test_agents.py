@@ -29,9 +29,12 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.mark.parametrize("script", ["agent_call", "agent_call_tight"])
 async def test_agents_sdk_runs_a_function_tool_loop(
-    scripted_server: RunningServer, scripted: ScriptedModel
+    scripted_server: RunningServer, scripted: ScriptedModel, script: str
 ) -> None:
+    """With its default strict tools (a grammar over the hermes markup), with
+    or without the newline after ``<tool_call>``."""
     asked: list[str] = []
 
     @function_tool
@@ -50,7 +53,7 @@ async def test_agents_sdk_runs_a_function_tool_loop(
         )
         result = await Runner.run(
             agent,
-            f"What is the weather in Oslo? {scripted.selector('agent_call')}",
+            f"What is the weather in Oslo? {scripted.selector(script)}",
             max_turns=4,
             run_config=RunConfig(
                 model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True

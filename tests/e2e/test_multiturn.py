@@ -172,7 +172,7 @@ def scripted_reference(scripted: ScriptedModel) -> Any:
     suppress_health_check=[HealthCheck.too_slow],
 )
 @given(plan=plans())
-def test_every_turn_starts_with_the_previous_prompt_and_output(
+def test_every_turn_starts_with_the_previous_prompt_and_output_few_examples(
     scripted_server: RunningServer,
     scripted: ScriptedModel,
     scripted_reference: Any,

@@ -212,7 +212,7 @@ PROPERTY = settings(max_examples=4, deadline=None, suppress_health_check=[Health
 
 @PROPERTY
 @given(plan=plans(stop_strings=False, synonyms=False))
-def test_responses_every_turn_starts_with_the_previous_prompt_and_output(
+def test_responses_every_turn_starts_with_the_previous_prompt_and_output_few_examples(
     scripted_server: RunningServer, scripted: ScriptedModel, plan: Plan
 ) -> None:
     driver = DRIVERS["responses"]
@@ -221,7 +221,7 @@ def test_responses_every_turn_starts_with_the_previous_prompt_and_output(
 
 @PROPERTY
 @given(plan=plans(synonyms=False))
-def test_messages_every_turn_starts_with_the_previous_prompt_and_output(
+def test_messages_every_turn_starts_with_the_previous_prompt_and_output_few_examples(
     scripted_server: RunningServer, scripted: ScriptedModel, plan: Plan
 ) -> None:
     driver = DRIVERS["messages"]

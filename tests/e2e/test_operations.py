@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -19,9 +21,10 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.harness import RunningServer, serving, start_server
-from tests.e2e.ops import SilentReader, Stream, chat, load, rss_kib, wait_for
+from tests.e2e.ops import SilentReader, Stream, chat, load, wait_for
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 from faults import Burst, run_burst, seconds_to_idle
@@ -173,31 +176,75 @@ def test_a_request_id_is_taken_or_minted_and_logged_without_secrets(
     assert KEY not in log
 
 
-def test_metrics_count_requests_and_their_gauges_return_to_zero(
+def test_a_stream_that_fails_raises_in_wait() -> None:
+    """The helper's thread keeps a stream's error; the test that waits gets it."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    server = cast(RunningServer, SimpleNamespace(api_url=f"http://127.0.0.1:{port}/v1", auth={}))
+    stream = Stream(server, {"model": "m"}).start()
+    with pytest.raises(AssertionError, match="the stream failed: ConnectError"):
+        stream.wait(30)
+
+
+HISTOGRAMS = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+)
+
+
+def scrape(server: RunningServer) -> dict[str, float]:
+    """Every sample of /metrics by its name (labels dropped: one model, and
+    the tests read only series with one label set, or sum them)."""
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if family.name != "sluiceway:http_requests":
+                values[sample.name] = sample.value
+    return values
+
+
+def test_metrics_record_a_streamed_request_and_read_it_running(
     ops_server: RunningServer,
 ) -> None:
+    """One streamed request adds one observation to TTFT, end-to-end and
+    queue time, and one inter-token gap per delta after its first; while a
+    stream runs, the running gauge reads it; then the gauges go back to 0."""
     post(ops_server, chat(ops_server, max_tokens=5))
-    Stream(ops_server, chat(ops_server, max_tokens=5)).start().wait(30)
+    before = scrape(ops_server)
+    stream = Stream(ops_server, chat(ops_server, max_tokens=8, ignore_eos=True)).start().wait(60)
+    assert stream.ended_well
+    deltas = sum(
+        1 for c in stream.chunks if c.get("choices") and c["choices"][0]["delta"].get("content")
+    )
+    assert deltas >= 2, stream.lines
+    after = scrape(ops_server)
+    counts = {name: after[name + "_count"] - before[name + "_count"] for name in HISTOGRAMS}
+    gaps = counts.pop("vllm:inter_token_latency_seconds")
+    assert counts == dict.fromkeys(counts, 1.0), counts
+    # Deltas that wait together go out in one write, each still noted.
+    assert 1 <= gaps <= 7, gaps
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 8
+    # A stream long enough not to end by itself is running while it is read.
+    endless = Stream(ops_server, chat(ops_server, max_tokens=100_000, ignore_eos=True)).start()
+    assert endless.first.wait(60)
+    running = scrape(ops_server)
+    assert running["vllm:num_requests_running"] == 1.0, running
+    assert running["vllm:kv_cache_usage_perc"] > 0.0, running
+    endless.hang_up(60)
+    wait_for(lambda: load(ops_server)["running_requests"] == 0, 30, "the hung-up stream to end")
+    idle = scrape(ops_server)
+    assert idle["vllm:num_requests_running"] == 0.0
+    assert idle["vllm:num_requests_waiting"] == 0.0
     text = httpx.get(ops_server.base_url + "/metrics").text
-    for name in (
-        "vllm:num_requests_running",
-        "vllm:num_requests_waiting",
-        "vllm:kv_cache_usage_perc",
-        "vllm:prompt_tokens_total",
-        "vllm:generation_tokens_total",
-        "vllm:time_to_first_token_seconds_bucket",
-        "vllm:inter_token_latency_seconds_bucket",
-        "vllm:e2e_request_latency_seconds_bucket",
-        "vllm:request_queue_time_seconds_bucket",
-    ):
-        assert name in text, name
     assert re.search(
         r'sluiceway:http_requests_total\{route="/v1/chat/completions",status="200",'
         r'surface="openai"\} [1-9]',
         text,
     )
-    assert re.search(r"vllm:num_requests_running\{[^}]*\} 0\.0", text)
-    assert re.search(r"vllm:num_requests_waiting\{[^}]*\} 0\.0", text)
     loads = httpx.get(ops_server.base_url + "/v1/loads", headers=ops_server.auth).json()
     assert loads["loads"][0]["num_running_reqs"] == 0
 
@@ -251,25 +298,38 @@ def texts_of(sse: bytes) -> dict[int, str]:
     return texts
 
 
+def kv_used(server: RunningServer) -> tuple[int, float]:
+    """The KV cache in use, as /v1/loads counts it (tokens) and as the
+    Prometheus gauge reads it (utilisation, 0 to 1)."""
+    loads = httpx.get(server.base_url + "/v1/loads", headers=server.auth, timeout=10).json()
+    return loads["loads"][0]["num_used_tokens"], scrape(server)["vllm:kv_cache_usage_perc"]
+
+
 def test_a_stalled_reader_pauses_alone_and_resumes_where_it_left_off(
     ops_server: RunningServer,
 ) -> None:
     """A stalled reader's request leaves the batch (its KV cache freed) while
     others run; once read, it is rebuilt from the prompt and the tokens so
     far, and its greedy text is the same as unpaused."""
-    before = rss_kib(ops_server.process.pid)
+    beside_body = chat(ops_server, max_tokens=10, ignore_eos=True)
+    prompt = post(ops_server, beside_body).json()["usage"]["prompt_tokens"]
     reader = SilentReader(ops_server, chat(ops_server, max_tokens=RESUMED, **HEAVY))
     try:
         wait_for(lambda: load(ops_server)["paused_requests"] == 1, 120, "the request to pause")
-        # Its row stays out of the batch while another stream runs (which
-        # ends well), and memory stays put.
-        beside = Stream(ops_server, chat(ops_server, max_tokens=10, ignore_eos=True)).start()
-        seen = [load(ops_server)]
+        # Paused, it holds no KV cache: its rows left the batch and were freed.
+        assert kv_used(ops_server) == (0, 0.0)
+        # It stays out of the batch while another stream runs (which ends
+        # well), and the KV held is only that stream's: its prompt and its
+        # tokens so far.
+        beside = Stream(ops_server, beside_body).start()
+        seen, held = [load(ops_server)], [kv_used(ops_server)]
         while not beside.done.wait(0.05):
             seen.append(load(ops_server))
+            held.append(kv_used(ops_server))
         assert beside.ended_well
         assert all(s["paused_requests"] == 1 and s["running_sequences"] <= 1 for s in seen), seen
-        assert rss_kib(ops_server.process.pid) - before < 30_000
+        assert max(tokens for tokens, _ in held) <= prompt + 10, (prompt, held)
+        assert kv_used(ops_server) == (0, 0.0)
         got = texts_of(dechunk(reader.read_all(120)))
     finally:
         reader.close()

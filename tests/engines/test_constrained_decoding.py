@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sluiceway.actors import run_ahead, scheduler
+from sluiceway.actors import run_ahead, scheduler_core
 from sluiceway.actors.engine_work import StepPlan
 from sluiceway.actors.scheduler import SchedulerHandle
 from sluiceway.protocol.constraints import Constraint, ConstraintKind
@@ -287,7 +287,7 @@ def _ahead_and_sampled(
     ahead = _tokens(rig.run(requests, backend))
     assert served_masked > 10
     with monkeypatch.context() as sampled_only:
-        sampled_only.setattr(scheduler, predicate, lambda row: False)
+        sampled_only.setattr(scheduler_core, predicate, lambda row: False)
         served_masked = 0
         through_the_sampler = _tokens(rig.run(requests, backend))
         assert served_masked == 0
@@ -315,7 +315,7 @@ def test_greedy_constrained_rows_in_a_child_process_pick_the_samplers_tokens(
     """The masks cross to the engine's process with the plan."""
     requests = _greedy_guided_requests(child_rig)
     ahead = _tokens(child_rig.run(requests, "trio"))
-    monkeypatch.setattr(scheduler, "_greedy_guided", lambda row: False)
+    monkeypatch.setattr(scheduler_core, "_greedy_guided", lambda row: False)
     assert _tokens(child_rig.run(requests, "trio")) == ahead
 
 

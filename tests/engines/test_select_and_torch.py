@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from sluiceway.engines import torch_engine
+from sluiceway.engines.device import resolve_device
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.mlx_engine import MlxEngine
 from sluiceway.engines.select import (
     choose_engine,
     in_child_process_by_default,
     make_engine,
-    resolve_device,
 )
 from sluiceway.engines.torch_engine import (
     KVRows,

@@ -37,12 +37,13 @@ from sluiceway.protocol.tokens import TokenTable
 
 WS = " \t\r\n"
 
-#: SLUICEWAY_SOAK=20 multiplies every property test's example count (a soak run).
-SOAK = int(os.environ.get("SLUICEWAY_SOAK", "1"))
+#: SLUICEWAY_SOAK=20 multiplies every property test's example count (a soak
+#: run); below 1 it divides it (`make mutate` runs each mutant's tests at 0.1).
+SOAK = float(os.environ.get("SLUICEWAY_SOAK", "1"))
 
 
 def examples(count: int) -> int:
-    return count * SOAK
+    return max(1, round(count * SOAK))
 
 
 # -- synthetic tokenizations -------------------------------------------------

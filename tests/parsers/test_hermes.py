@@ -10,8 +10,11 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from sluiceway.parsers.events import PROMPT_OWNER, Channel, Span, ToolCallOpened, content, dropped
+from sluiceway.parsers.formats import FormatParser, parser
+from sluiceway.parsers.formats.arguments import JsonExtent
+from sluiceway.parsers.formats.families import HERMES
+from sluiceway.parsers.formats.render import forced_prefix as render_prefix
 from sluiceway.parsers.stages import PrimeError
-from sluiceway.parsers.tools.hermes import HermesParser, JsonExtent, forced_prefix, hermes
 
 from .harness import (
     CODE,
@@ -34,6 +37,15 @@ from .harness import (
     tokenizations,
     tokenize,
 )
+
+
+def hermes(*, parallel_tool_calls: bool = True) -> FormatParser:
+    return parser("hermes", parallel_tool_calls=parallel_tool_calls)
+
+
+def forced_prefix(name: str | None) -> str:
+    return render_prefix(HERMES, name)
+
 
 ATOMS = text_atoms(PLAIN, MULTIBYTE, CODE, TOOL_NEAR_MISSES)
 
@@ -249,7 +261,7 @@ def test_json_extent(value: str, end: int) -> None:
 
 
 def test_is_a_tool_call_parser_class() -> None:
-    assert isinstance(hermes(), HermesParser)
+    assert isinstance(hermes(), FormatParser)
 
 
 @settings(max_examples=examples(60), deadline=None)

@@ -10,8 +10,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sluiceway.parsers.events import PROMPT_OWNER, Channel, Span, ToolCallOpened, content
-from sluiceway.parsers.tools.base import ToolSchema
-from sluiceway.parsers.tools.qwen3_coder import forced_prefix, is_string_parameter, qwen3_coder
+from sluiceway.parsers.formats import FormatParser, ToolSchema, parser
+from sluiceway.parsers.formats.arguments import is_string_parameter
+from sluiceway.parsers.formats.families import QWEN3_CODER
+from sluiceway.parsers.formats.render import forced_prefix as render_prefix
 
 from .harness import (
     CODE,
@@ -30,6 +32,17 @@ from .harness import (
     tokenizations,
     tokenize,
 )
+
+
+def qwen3_coder(
+    *, tools: tuple[ToolSchema, ...] = (), parallel_tool_calls: bool = True
+) -> FormatParser:
+    return parser("qwen3_coder", tools=tools, parallel_tool_calls=parallel_tool_calls)
+
+
+def forced_prefix(name: str | None) -> str:
+    return render_prefix(QWEN3_CODER, name)
+
 
 WEATHER = ToolSchema(
     name="get_weather",

@@ -56,14 +56,37 @@ THINK_VOCAB = {"<think>", "</think>", "<tool_call>", "</tool_call>", "a"}
 
 
 def test_registries_are_read_only() -> None:
-    assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1"}
-    assert set(TOOL_PARSERS) == {"hermes", "qwen3_coder"}
+    assert set(REASONING_PARSERS) == {
+        "qwen3",
+        "deepseek_r1",
+        "glm45",
+        "kimi_k2",
+        "minimax_m2",
+        "deepseek_v3",
+        "mistral",
+    }
+    assert set(TOOL_PARSERS) == {
+        "hermes",
+        "qwen3_coder",
+        "glm45",
+        "glm47",
+        "kimi_k2",
+        "minimax_m2",
+        "deepseek_v31",
+        "deepseek_v3",
+        "llama3_json",
+        "pythonic",
+        "mistral",
+    }
     with pytest.raises(TypeError):
         REASONING_PARSERS["x"] = REASONING_PARSERS["qwen3"]  # type: ignore[index]
 
 
 def test_unknown_parsers_raise() -> None:
-    with pytest.raises(UnknownParserError, match="known: deepseek_r1, qwen3"):
+    with pytest.raises(
+        UnknownParserError,
+        match="known: deepseek_r1, deepseek_v3, glm45, kimi_k2, minimax_m2, mistral, qwen3",
+    ):
         build_stages(TextPathOptions(reasoning_parser="nope"))
     with pytest.raises(UnknownParserError):
         build_stages(TextPathOptions(tool_parser="nope"))
@@ -75,7 +98,7 @@ def test_stages_in_order() -> None:
     stages, stop = build_stages(
         TextPathOptions(reasoning_parser="qwen3", tool_parser="hermes", stop=("x",))
     )
-    assert [type(s).__name__ for s in stages] == ["ReasoningParser", "StopMatcher", "HermesParser"]
+    assert [type(s).__name__ for s in stages] == ["ReasoningParser", "StopMatcher", "FormatParser"]
     assert isinstance(stop, StopMatcher)
     assert build_stages(TextPathOptions()) == ((), None)
 
@@ -103,6 +126,55 @@ def test_detect_parsers(
     template: str | None, vocabulary: set[str], expected: tuple[str | None, str | None]
 ) -> None:
     assert detect_parsers(template, vocabulary, prefixes(template)) == expected
+
+
+#: A line of each family's template that gives it away, and its vocabulary.
+FAMILY_TEMPLATES = [
+    (
+        "<|tool_calls_section_begin|>{{ tool_calls }}<think>",
+        {"<|tool_calls_section_begin|>", "<think>", "</think>"},
+        ("kimi_k2", "kimi_k2"),
+    ),
+    (
+        "<｜tool▁calls▁begin｜>{{ name }}\n```json",
+        {"<｜tool▁calls▁begin｜>"},
+        (None, "deepseek_v3"),
+    ),
+    (
+        "<｜tool▁calls▁begin｜>{{ name }}<｜tool▁sep｜> <think>",
+        {"<｜tool▁calls▁begin｜>", "<think>", "</think>"},
+        ("deepseek_v3", "deepseek_v31"),
+    ),
+    ("<minimax:tool_call>\n<invoke name=", {"<minimax:tool_call>"}, (None, "minimax_m2")),
+    (
+        "<tool_call>{{ n }}\n<arg_key>k</arg_key>\n<arg_value>v</arg_value> think",
+        {"<tool_call>", "<think>", "</think>"},
+        ("glm45", "glm45"),
+    ),
+    (
+        "<tool_call>{{ n }}<arg_key>k</arg_key><arg_value>v</arg_value>",
+        {"<tool_call>"},
+        (None, "glm47"),
+    ),
+    ("[TOOL_CALLS]{{ n }}[ARGS] [THINK]", {"[TOOL_CALLS]", "[THINK]"}, ("mistral", "mistral")),
+    (
+        'Respond with {"name": function name, "parameters": dictionary of argument name and its value}',
+        {"a"},
+        (None, "llama3_json"),
+    ),
+    ("[func_name1(params_name1=params_value1)]", {"a"}, (None, "pythonic")),
+]
+
+
+@pytest.mark.parametrize(("template", "vocabulary", "expected"), FAMILY_TEMPLATES)
+def test_detect_each_family(
+    template: str, vocabulary: set[str], expected: tuple[str | None, str | None]
+) -> None:
+    assert detect_parsers(template, vocabulary, ()) == expected
+
+
+def test_a_template_without_its_tokens_is_not_detected() -> None:
+    assert detect_parsers("<|tool_calls_section_begin|>", {"a"}, ()) == (None, None)
 
 
 def prefixes(template: str | None) -> tuple[str, ...]:

@@ -7,8 +7,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sluiceway.parsers.events import Channel, Span, content, dropped
+from sluiceway.parsers.pipeline import ChoicePipeline
 from sluiceway.parsers.reasoning import qwen3
 from sluiceway.parsers.stop import InvalidStopError, StopMatcher
+from sluiceway.protocol.tokens import TokenTable
 
 from .harness import (
     Tokenized,
@@ -209,3 +211,47 @@ def test_after_the_match_upstream_markup_keeps_its_label() -> None:
     )
     assert out[-1] == dropped(1, "</think>", Channel.REASONING)
     assert matcher.feed([content(2, "b")]) == [dropped(2, "b", None)]
+
+
+def test_a_pipeline_a_stop_string_ended_refuses_more_tokens() -> None:
+    table = TokenTable((b"a", b"STOP", b"b"), frozenset())
+    matcher = StopMatcher(["STOP"])
+    pipeline = ChoicePipeline(table, [matcher], stop=matcher)
+    pipeline.feed(0)
+    pipeline.feed(1)
+    assert pipeline.stopped_by == "STOP"
+    with pytest.raises(RuntimeError, match=r"^the pipeline was fed after a stop string ended it$"):
+        pipeline.feed(2)
+
+
+def test_after_the_match_passed_through_text_is_dropped_too() -> None:
+    """A channel the matcher does not handle (reasoning, here) is removed
+    after the stop string as well, as its own token's dropped text."""
+    matcher = StopMatcher(["STOP"])
+    matcher.feed([content(0, "aSTOP")])
+    thought = Span(1, "r", Channel.REASONING)
+    marked = dropped(2, "</think>", Channel.REASONING)
+    assert matcher.feed([thought, marked, content(3, "")]) == [dropped(1, "r", None), marked]
+
+
+def test_a_channel_change_releases_what_was_held_in_the_old_one() -> None:
+    matcher = StopMatcher(["STOP"], match_in_reasoning=True)
+    assert matcher.feed([Span(0, "aST", Channel.REASONING)]) == [Span(0, "a", Channel.REASONING)]
+    assert matcher.feed([content(1, "OPx")]) == [
+        Span(0, "ST", Channel.REASONING),
+        content(1, "OPx"),
+    ]
+    assert matcher.matched is None
+
+
+def test_a_match_concluded_by_a_channel_change_drops_the_new_channel() -> None:
+    """ "bc" is found in the reasoning but waits for "abcd"; the reasoning
+    ends there, which settles "bc", and the content after it is dropped."""
+    matcher = StopMatcher(["abcd", "bc"], match_in_reasoning=True)
+    assert matcher.feed([Span(0, "xabc", Channel.REASONING)]) == [Span(0, "x", Channel.REASONING)]
+    assert matcher.feed([content(1, "d!")]) == [
+        Span(0, "a", Channel.REASONING),
+        dropped(0, "bc", None),
+        dropped(1, "d!", None),
+    ]
+    assert matcher.matched == "bc"

@@ -98,3 +98,23 @@ def test_entry_parts_are_made_once_per_id_and_table() -> None:
     assert first.entry_parts(0) == ("ab", (97, 98))
     assert other.entry_parts(0) == ("zz", (122, 122))
     assert first == TokenTable((b"ab", b"\xe2\x82"), frozenset())
+
+
+@given(case=split_text(), strip=st.booleans(), spaced=st.booleans(), hidden_first=st.booleans())
+@example(case=("ab", [b"a", b"b"]), strip=True, spaced=True, hidden_first=True)
+def test_streamed_text_is_the_whole_decode_first_space_rule_included(
+    case: tuple[str, list[bytes]], strip: bool, spaced: bool, hidden_first: bool
+) -> None:
+    """A SentencePiece-style table drops the space that begins the first
+    visible token only (a hidden token before it releases nothing, and does
+    not count as first); every later token keeps its own."""
+    _, pieces = case
+    pieces = [b" " + piece if spaced else piece for piece in pieces]
+    ids = list(range(len(pieces)))
+    hidden: frozenset[int] = frozenset()
+    if hidden_first:
+        pieces, ids, hidden = [b"<s>", *pieces], [0, *(i + 1 for i in ids)], frozenset({0})
+    table = TokenTable(tuple(pieces), hidden, strip_first_space=strip)
+    detokenizer = IncrementalDetokenizer(table)
+    streamed = "".join(detokenizer.feed(i) for i in ids) + detokenizer.finish()
+    assert streamed == table.decode(ids)

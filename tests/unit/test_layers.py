@@ -127,3 +127,110 @@ def test_imports_point_only_down() -> None:
         if (reason := wrong_way(source, target)) is not None
     ]
     assert wrong == []
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = module_name(path)
+        tree = ast.parse(path.read_text(), str(path))
+        targets = graph.setdefault(source, set())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = _from_base(node, source, path)
+                modules = [f"{base}.{alias.name}" for alias in node.names]
+                submodules = [name for name in modules if is_module(name)]
+                targets.update(submodules)
+                if len(submodules) < len(modules):  # a name defined in ``base`` itself
+                    targets.add(base)
+        graph[source] = {
+            t for t in targets if t != source and t.startswith("sluiceway.") and is_module(t)
+        }
+    return graph
+
+
+def _from_base(node: ast.ImportFrom, module: str, path: Path) -> str:
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    base = package[: len(package) - node.level + 1]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every knot: a strongly connected set of two or more modules (Tarjan),
+    sorted, so that a failure reads the same each run."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for after in sorted(graph.get(node, ())):
+            if after not in index:
+                visit(after)
+                low[node] = min(low[node], low[after])
+            elif after in stack:
+                low[node] = min(low[node], index[after])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                member = stack.pop()
+                members.append(member)
+                if member == node:
+                    break
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def one_circle(graph: dict[str, set[str]], members: set[str]) -> list[str]:
+    """A path from the first member back to itself inside ``members``."""
+    start = min(members)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        node = frontier.pop(0)
+        for after in sorted(graph.get(node, ()) & members):
+            if after == start:
+                return [*paths[node], start]
+            if after not in paths:
+                paths[after] = [*paths[node], after]
+                frontier.append(after)
+    raise AssertionError(f"no circle through {start} in {sorted(members)}")
+
+
+def test_the_circle_walk_sees_lazy_and_type_only_imports() -> None:
+    graph = import_graph()
+    # make_engine imports the transformers engine inside the function.
+    assert "sluiceway.engines.torch_engine" in graph["sluiceway.engines.select"]
+    # ``from sluiceway.surfaces.openai import fields`` names the module only.
+    assert "sluiceway.surfaces.openai.fields" in graph["sluiceway.surfaces.openai.chat"]
+    assert "sluiceway.surfaces.openai" not in graph["sluiceway.surfaces.openai.chat"]
+
+
+def test_circles_are_found_and_named() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": {"e"}}
+    assert circles(graph) == [["a", "b", "c"], ["e", "e2"]]
+    assert one_circle(graph, {"a", "b", "c"}) == ["a", "b", "c", "a"]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles() -> None:
+    """No module imports one that (through others) imports it back, counting
+    imports inside functions and under ``TYPE_CHECKING``: a circle is a knot
+    a reader must untie before any of its modules makes sense alone."""
+    graph = import_graph()
+    found = [
+        f"{' -> '.join(one_circle(graph, set(knot)))} (the knot: {', '.join(knot)})"
+        for knot in circles(graph)
+    ]
+    assert found == [], "import circles:\n" + "\n".join(found)

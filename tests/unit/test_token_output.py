@@ -168,6 +168,19 @@ def generations(draw: st.DrawFn) -> tuple[Tokenized, tuple[str, ...], int, list[
     return tokenized, stops, n, [list(tokenized.ids[o:]) for o in offsets]
 
 
+def ending(table: TokenTable, ids: list[int], stops: tuple[str, ...]) -> tuple[int, bool]:
+    """How many of ``ids`` a choice takes, and whether a stop string ended
+    it: up to the first token whose text completes a stop string, or the
+    first EOS, whichever comes first (an incomplete character at the end of
+    the text completes none)."""
+    for length in range(1, len(ids) + 1):
+        if any(stop in table.decode(ids[:length]) for stop in stops):
+            return length, True
+        if ids[length - 1] in table.hidden:
+            return length, False
+    return len(ids), False
+
+
 @settings(max_examples=examples(200), deadline=None)
 @given(case=generations(), logprobs=st.booleans())
 def test_streamed_ids_are_the_whole_replys_ids(
@@ -217,15 +230,13 @@ def test_streamed_ids_are_the_whole_replys_ids(
                     f"token_id:{t}" for t in c["token_ids"]
                 ]
         # The ids are the script's, up to where the choice ended: EOS, or the
-        # token that completed a stop string (the text path decides that).
-        ids = scripts[choice["index"]]
-        assert choice["token_ids"] == ids[: len(choice["token_ids"])]
-        if choice["matched_stop"] is None:
-            assert choice["token_ids"] == ids
-        else:
-            text = table.decode(choice["token_ids"])
+        # token that completed the first stop string, not one token later.
+        length, stopped = ending(table, scripts[choice["index"]], stops)
+        assert choice["token_ids"] == scripts[choice["index"]][:length]
+        assert (choice["matched_stop"] is not None) == stopped, choice
+        if stopped:
             assert choice["matched_stop"] in stops
-            assert choice["matched_stop"] in text
+            assert choice["matched_stop"] in table.decode(choice["token_ids"])
     assert reply_json["usage"]["completion_tokens"] == sum(
         len(c["token_ids"]) for c in reply_json["choices"]
     )

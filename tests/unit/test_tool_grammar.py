@@ -16,11 +16,13 @@ from hypothesis import strategies as st
 
 from sluiceway.engines.grammar import GrammarEngine, allowed_ids, lark_json
 from sluiceway.engines.tokenizer import ModelTokenizer
+from sluiceway.parsers.formats import FORMATS, arguments
+from sluiceway.parsers.formats.render import Call
 from sluiceway.parsers.registry import TextPathOptions, ToolSchema, build_pipeline
-from sluiceway.parsers.tools import qwen3_coder
 from sluiceway.protocol.constraints import Constraint, ConstraintKind
 from sluiceway.surfaces.tool_grammar import CallableTool, CallPlan, call_grammar
 from tests.fixtures.json_schemas import assert_valid, object_schemas
+from tests.parsers.family_calls import SCHEMAS, calls, written
 
 WEATHER = {
     "type": "object",
@@ -183,9 +185,9 @@ def _raw_text_free(schema: dict[str, Any]) -> bool:
     text is unbounded there: a walk found one that never ended)."""
     tool = ToolSchema(name="f", parameters=schema)
     for key, prop in schema["properties"].items():
-        if not qwen3_coder.is_string_parameter(tool, key):
+        if not arguments.is_string_parameter(tool, key):
             continue
-        target = qwen3_coder.resolved(prop, schema)
+        target = arguments.resolved(prop, schema)
         if not isinstance(target, dict) or not set(target) <= _RAW_HOLDS:
             return False
     return True
@@ -213,3 +215,46 @@ def test_every_walk_through_a_required_call_parses_to_valid_arguments(
     assert content == ""
     ((name, arguments),) = calls
     assert_valid(arguments, schema if name == "f" else WEATHER)
+
+
+BOUNDED_CLOCK = {
+    "type": "object",
+    "properties": {"tz": {"type": "string", "maxLength": 5}, "at": {"type": "boolean"}},
+    "additionalProperties": False,
+}
+FAMILY_TOOLS = tuple(CallableTool(name=name, parameters=schema) for name, schema in SCHEMAS.items())
+
+
+@pytest.mark.parametrize("family", sorted(FORMATS))
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(drawn=calls(), data=st.data())
+def test_the_grammar_accepts_every_call_the_parser_reads(
+    family: str, drawn: list[Call], data: st.DataObject
+) -> None:
+    """Parser and grammar come from one description: whatever whitespace and
+    options the family allows, the grammar of a required call accepts the
+    calls the parser reads back exactly (tests/parsers/test_formats.py)."""
+    text = written(family, drawn, data)
+    plan = CallPlan(tools=FAMILY_TOOLS, required=True, parallel=True)
+    assert accepts(grammar(family, plan), text), text
+    single = CallPlan(tools=FAMILY_TOOLS, required=True, parallel=False)
+    assert accepts(grammar(family, single), written(family, drawn[:1], data))
+
+
+@pytest.mark.parametrize("family", sorted(FORMATS))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_walk_through_a_family_grammar_parses_to_valid_arguments(
+    family: str, data: st.DataObject
+) -> None:
+    # Bounded values and one call, so that every walk ends.
+    tools = (
+        CallableTool(name="get_weather", parameters=WEATHER),
+        CallableTool(name="get_time", parameters=BOUNDED_CLOCK),
+    )
+    constraint = grammar(family, CallPlan(tools=tools, required=True, parallel=False))
+    content, calls_read = parse(family, walk(constraint, data), tools)
+    assert content == ""
+    assert calls_read
+    for name, read in calls_read:
+        assert_valid(read, WEATHER if name == "get_weather" else BOUNDED_CLOCK)

@@ -88,7 +88,7 @@ def _delta_wire(delta: ChoiceDelta, reasoning_field: ReasoningField) -> DeltaWir
         fields["tool_calls"] = [
             ToolCallDeltaWire(
                 index=call.index,
-                id=tool_call_id(),
+                id=call.call_id or tool_call_id(),
                 type="function",
                 function=FunctionWire(name=call.name, arguments=call.arguments),
             )
@@ -258,7 +258,7 @@ class _ChoiceTotals:
         for fragment in delta.tool_calls:
             call = self.tool_calls.setdefault(fragment.index, _ToolCall())
             if fragment.name is not None:
-                call.name, call.id = fragment.name, tool_call_id()
+                call.name, call.id = fragment.name, fragment.call_id or tool_call_id()
             call.arguments.append(fragment.arguments)
         if delta.logprobs is not None:
             self.content_entries += delta.logprobs.content

@@ -4,6 +4,6 @@ surfaces share."""
 
 from __future__ import annotations
 
-from sluiceway.surfaces.openai_errors import ErrorBody, error_frame, render_error
+from sluiceway.surfaces.openai_error_shape import ErrorBody, error_frame, render_error
 
 __all__ = ["ErrorBody", "error_frame", "render_error"]

@@ -166,7 +166,7 @@ class OutputItems:
                 id=new_id(kind.value),
                 index=len(self.items),
                 call_index=call.index,
-                call_id=new_id("call"),
+                call_id=call.call_id or new_id("call"),
                 name=ref.name,
                 namespace=ref.namespace,
             )

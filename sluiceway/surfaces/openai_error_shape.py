@@ -2,10 +2,12 @@
 the three surfaces that speak it: chat and completions, Responses, and the
 tokens endpoints (vLLM answers those in OpenAI's shape too).
 
-It lives beside ``sse.py`` rather than in ``openai/`` because a surface
-folder never imports another; each of the three renders through this one
-module so that a 401's ``WWW-Authenticate`` or a new error kind cannot be
-added to one of them and forgotten in the others.
+It is shared code, not a surface: it lives beside ``sse.py`` rather than in
+``openai/`` because a surface folder never imports another, and its name
+says what it holds (the shape of an error, not the OpenAI surface's errors).
+Each of the three renders through this one module so that a 401's
+``WWW-Authenticate`` or a new error kind cannot be added to one of them and
+forgotten in the others.
 """
 
 from __future__ import annotations

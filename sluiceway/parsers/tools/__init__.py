@@ -1,1 +1,0 @@
-"""Tool-call parsers: one module per dialect, sharing :mod:`.base`."""

@@ -1,0 +1,173 @@
+"""Every family's parser reads back exactly the calls written in its markup,
+whatever the optional whitespace and options, under any tokenization, with
+the alignment contract kept; and what is special to some families."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+from sluiceway.parsers.events import ToolCallOpened
+from sluiceway.parsers.formats import FORMATS
+from sluiceway.parsers.formats.render import Call
+from sluiceway.parsers.reasoning import DIALECTS
+from sluiceway.parsers.registry import TextPathOptions, ToolSchema, build_stages
+
+from .family_calls import REASONING, SCHEMAS, calls, expected_arguments, written
+from .harness import (
+    Routed,
+    assert_contract,
+    examples,
+    route,
+    run_pipeline,
+    run_whole,
+    tokenizations,
+)
+
+TOOLS = tuple(ToolSchema(name=name, parameters=schema) for name, schema in SCHEMAS.items())
+
+
+def _options(family: str, *, parallel: bool = True) -> TextPathOptions:
+    return TextPathOptions(
+        reasoning_parser=REASONING[family],
+        tool_parser=family,
+        tools=TOOLS,
+        parallel_tool_calls=parallel,
+    )
+
+
+def _thinking(family: str) -> str:
+    dialect = REASONING[family]
+    if dialect is None:
+        return ""
+    tags = DIALECTS[dialect]
+    return f"{tags.open_tag}Let me think.{tags.close_tag}\n\n"
+
+
+@pytest.mark.parametrize("family", sorted(FORMATS))
+@settings(max_examples=examples(60), deadline=None)
+@given(drawn=calls(), data=st.data())
+def test_written_calls_are_read_back_exactly(
+    family: str, drawn: list[Call], data: st.DataObject
+) -> None:
+    fmt = FORMATS[family]
+    lead = "" if fmt.at_start else data.draw(st.sampled_from(["", "Checking. ", "a <b "]))
+    markup = written(family, drawn, data)
+    text = _thinking(family) + lead + markup
+    expected = Routed(
+        reasoning="Let me think." if REASONING[family] else "",
+        content=lead,
+        calls={i: [call.name, expected_arguments(call)] for i, call in enumerate(drawn)},
+    )
+    note(repr(text))
+    tokenized = data.draw(tokenizations(text, eos=False))
+    stages, stop = build_stages(_options(family))
+    run = run_pipeline(tokenized, stages, stop)
+    note(repr((drawn, route(e for s in run.events for e in s).call_list)))
+    assert_contract(run, expected)
+    whole_stages, _ = build_stages(_options(family))
+    whole = route(run_whole(whole_stages, text).events)
+    assert (whole.content, whole.call_list) == (lead, expected.call_list)
+    for call, (_, arguments) in zip(drawn, whole.call_list, strict=True):
+        assert json.loads(arguments) == call.arguments
+    if fmt.call_id is not None:
+        opened = [e for step in run.events for e in step if isinstance(e, ToolCallOpened)]
+        assert [e.call_id for e in opened] == [
+            f"functions.{call.name}:{i}" for i, call in enumerate(drawn)
+        ]
+
+
+@pytest.mark.parametrize("family", sorted(FORMATS))
+@settings(max_examples=examples(20), deadline=None)
+@given(drawn=calls(), data=st.data())
+def test_one_call_at_most_without_parallel_calls(
+    family: str, drawn: list[Call], data: st.DataObject
+) -> None:
+    text = written(family, drawn, data)
+    stages, _ = build_stages(_options(family, parallel=False))
+    routed = route(run_whole(stages, text).events)
+    assert routed.call_list == [(drawn[0].name, expected_arguments(drawn[0]))]
+    assert routed.content == ""
+
+
+@pytest.mark.parametrize(
+    "family", [f for f in sorted(FORMATS) if REASONING[f] not in (None, "qwen3")]
+)
+def test_a_call_opened_inside_reasoning_is_not_lost(family: str) -> None:
+    call = Call("get_weather", {"city": "Paris"})
+    markup = written_canonical(family, [call])
+    dialect = DIALECTS[REASONING[family] or ""]
+    text = f"{dialect.open_tag}I should look it up.\n{markup}"
+    stages, _ = build_stages(_options(family))
+    routed = route(run_whole(stages, text).events)
+    assert routed.reasoning == "I should look it up.\n"
+    assert routed.call_list == [("get_weather", '{"city": "Paris"}')]
+    assert routed.content == ""
+
+
+def written_canonical(family: str, drawn: list[Call]) -> str:
+    from sluiceway.parsers.formats.render import render
+
+    return render(FORMATS[family], drawn)
+
+
+@pytest.mark.parametrize(
+    ("family", "text", "arguments"),
+    [
+        # Qwen3-Coder writes an integer as 140.0 (mlx-lm#1627): the schema types it.
+        (
+            "qwen3_coder",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n140.0\n</parameter>\n</function>\n</tool_call>",
+            {"city": "Paris", "days": 140},
+        ),
+        # A value that does not fit its type stays a string; the call is kept.
+        (
+            "glm45",
+            "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>three</arg_value>\n</tool_call>",
+            {"city": "Paris", "days": "three"},
+        ),
+        # GLM does not double-serialise: a JSON value stays a value (vllm#36410).
+        (
+            "glm47",
+            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+            "<arg_key>hot</arg_key><arg_value>True</arg_value></tool_call>",
+            {"city": "Paris", "hot": True},
+        ),
+        (
+            "pythonic",
+            "[get_weather(city='Paris', days=3.0, hot=False)]",
+            {"city": "Paris", "days": 3, "hot": False},
+        ),
+    ],
+)
+def test_values_are_typed_by_the_schema(
+    family: str, text: str, arguments: dict[str, object]
+) -> None:
+    stages, _ = build_stages(_options(family))
+    routed = route(run_whole(stages, text).events)
+    ((name, written_arguments),) = routed.call_list
+    assert name == "get_weather"
+    assert json.loads(written_arguments) == arguments
+
+
+@pytest.mark.parametrize(
+    ("family", "text"),
+    [
+        ("llama3_json", 'The answer is {"name": "x"}.'),
+        ("llama3_json", '{"answer": 42}'),
+        ("pythonic", "[1, 2, 3]"),
+        ("pythonic", "See [get_weather(city='Paris')] for how."),
+        ("kimi_k2", "<|tool_calls_section_begin|> nothing"),
+        ("mistral", "[TOOL_CALLS] no"),
+    ],
+)
+def test_text_that_only_looks_like_markup_is_content(family: str, text: str) -> None:
+    stages, _ = build_stages(_options(family))
+    routed = route(run_whole(stages, text).events)
+    assert routed.call_list == []
+    assert routed.content == text

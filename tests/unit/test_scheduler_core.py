@@ -1,0 +1,387 @@
+"""The scheduler's core driven directly, event by event, against a simple model.
+
+A hypothesis state machine interleaves submissions (``n`` choices, prompts
+of several lengths, some sharing a prefix), steps run on an engine that keeps
+each slot's token ids as its "KV" (``SequenceEngine``: its next token is a
+function of the whole sequence), readers that fall behind and catch up,
+cancellations, choices the output actor ends, engine loss, drain and the
+clock. After every rule it checks what the core promises:
+
+- the engine never holds more rows than ``max_num_seqs``;
+- each request ends exactly once, for one cause (finished, failed or
+  cancelled), and nothing reaches its output after that;
+- no row is decoded once its choice ended;
+- every choice's tokens are the model's own continuation of its prompt, so a
+  choice paused and restored by recomputation resumes with exactly the tokens
+  it had (the engine's sequence for its new slot is its prompt and tokens);
+- the prefix cache's pins are back to zero whenever no request is known and
+  the engine has nothing left to do;
+- queued requests are admitted in the order they were submitted.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from sluiceway.actors import scheduler_core
+from sluiceway.actors.engine_work import execute
+from sluiceway.actors.scheduler_core import (
+    CloseOutput,
+    Deliver,
+    SchedulerConfig,
+    SchedulerCore,
+)
+from sluiceway.protocol.errors import ServiceUnavailable
+from sluiceway.protocol.messages import (
+    Cancel,
+    FinishChoice,
+    GenerationRequest,
+    Limits,
+    RequestFailed,
+    RequestOutput,
+    Resume,
+    SamplingParams,
+    StepOutput,
+    Submit,
+)
+from tests.unit.test_scheduler_prefix import (
+    BYTES_PER_TOKEN,
+    EOS,
+    SequenceEngine,
+    expected_tokens,
+)
+
+CAPACITY = 4
+STALL_SECONDS = 5.0
+#: Prompts that share a prefix start with it (a system prompt, say).
+SHARED = tuple(range(1, 13))
+
+
+@dataclass
+class Output:
+    """A request's output as the shell would carry it, and what the model knows of it."""
+
+    index: int
+    spec: GenerationRequest
+    messages: list[RequestOutput] = field(default_factory=list)
+    closed: int = 0
+    #: Whether its reader is too far behind (``Backlog.full``).
+    full: bool = False
+    #: A reader that falls behind after each step that brought it tokens,
+    #: and catches up after the next.
+    slow: bool = False
+    cancelled: bool = False
+    #: Choices the output actor ended (a stop string, say).
+    ended: set[int] = field(default_factory=set)
+
+    def send_nowait(self, message: RequestOutput) -> None:
+        assert not self.closed, f"{self.spec.request_id}: {message!r} after its end"
+        self.messages.append(message)
+
+    def close(self) -> None:
+        self.closed += 1
+
+    def tokens(self, choice: int) -> list[int]:
+        return [
+            sample.token_id
+            for message in self.messages
+            if isinstance(message, StepOutput)
+            for sample in message.samples
+            if sample.choice == choice
+        ]
+
+    def finished(self, choice: int) -> bool:
+        return choice in self.ended or any(
+            sample.finish is not None
+            for message in self.messages
+            if isinstance(message, StepOutput)
+            for sample in message.samples
+            if sample.choice == choice
+        )
+
+    def causes(self) -> set[str]:
+        found = set()
+        if any(isinstance(m, RequestFailed) for m in self.messages):
+            found.add("failed")
+        if all(self.finished(c) for c in range(self.spec.n)):
+            found.add("finished")
+        if self.cancelled:
+            found.add("cancelled")
+        return found
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        config = SchedulerConfig(
+            eos_ids=frozenset({EOS}),
+            max_num_seqs=CAPACITY,
+            prefill_chunk_tokens=8,
+            stall_timeout=STALL_SECONDS,
+            prefix_cache_bytes=64 * BYTES_PER_TOKEN,
+        )
+        self.engine = SequenceEngine()
+        self.core = SchedulerCore(config, self.engine.info, guided=False)
+        self.now = 0.0
+        self.outputs: dict[str, Output] = {}
+        self.draining = False
+        #: Submission indices of requests, in the order of their first prefill.
+        self.admitted: list[int] = []
+        #: Slot -> request id, from the prefills that made the slot.
+        self.owners: dict[int, str] = {}
+
+    # --- the model's bookkeeping -------------------------------------------
+
+    def carry(self) -> None:
+        """Carry the core's messages, as the shell does."""
+        for message in self.core.take_messages():
+            output = self.outputs[message.request_id]
+            assert message.output is output
+            if isinstance(message, CloseOutput):
+                output.close()
+            else:
+                assert isinstance(message, Deliver)
+                output.send_nowait(message.message)
+
+    def open(self) -> list[Output]:
+        return [o for o in self.outputs.values() if not o.closed]
+
+    # --- rules -----------------------------------------------------------------
+
+    @precondition(lambda self: not self.draining)
+    @rule(
+        n=st.integers(1, 2),
+        shared=st.booleans(),
+        own=st.lists(st.integers(1, 31), min_size=1, max_size=14),
+        max_tokens=st.integers(1, 9),
+        slow=st.booleans(),
+    )
+    def submit(self, n: int, shared: bool, own: list[int], max_tokens: int, slow: bool) -> None:
+        name = f"r{len(self.outputs)}"
+        spec = GenerationRequest(
+            request_id=name,
+            prompt_ids=(SHARED if shared else ()) + tuple(own),
+            n=n,
+            sampling=SamplingParams(temperature=0.0),
+            limits=Limits(max_tokens=max_tokens),
+        )
+        output = self.outputs[name] = Output(len(self.outputs), spec, slow=slow)
+        self.core.command(Submit(request=spec, output=output, backlog=output), self.now)
+        self.carry()
+
+    @rule()
+    def step(self) -> None:
+        """Plan a step, run it on the engine, take its tokens (the argmax, as
+        the engine or the sampler picks for a greedy row); then slow readers
+        fall behind or catch up."""
+        self.slow_readers(self.run_step())
+
+    def run_step(self) -> set[str]:
+        """One step; the requests it brought tokens."""
+        planned = self.core.plan({}, self.now)
+        self.carry()
+        if planned is None:
+            return set()
+        plan = planned.plan
+        for work in plan.prefills:
+            if work.request_id not in self.owners.values():
+                self.admitted.append(self.outputs[work.request_id].index)
+            self.owners[work.slot] = work.request_id
+            for fork in work.forks:
+                self.owners[fork] = work.request_id
+        for slot, token in plan.decode.items():
+            self.check_decoded(slot, token)
+        self.core.started()
+        outcome = execute(self.engine, plan)  # type: ignore[arg-type]
+        batch = self.core.absorb(plan, outcome)
+        self.carry()
+        if not batch.choices:
+            return set()
+        tokens = batch.greedy
+        if tokens is None:
+            tokens = [int(t) for t in np.argmax(self.core.sample_step(batch).logits, axis=1)]
+        self.core.deliver_samples(self.core.decide(batch.choices, tokens, batch.scores))
+        self.carry()
+        return {choice.request.spec.request_id for choice in batch.choices}
+
+    def slow_readers(self, got: set[str]) -> None:
+        """Slow readers fall behind once a step brought them tokens, and the
+        ones already behind catch up."""
+        for output in self.open():
+            if output.full and output.slow:
+                output.full = False
+                self.core.command(Resume(request_id=output.spec.request_id), self.now)
+            elif output.slow and output.spec.request_id in got:
+                output.full = True
+        self.carry()
+
+    def check_decoded(self, slot: int, token: int) -> None:
+        """The row of ``slot`` belongs to a choice still running, and the
+        engine's sequence for it, with ``token``, is its prompt and tokens."""
+        output = self.outputs[self.owners[slot]]
+        assert not output.closed, f"slot {slot} decoded after {output.spec.request_id} ended"
+        sequence = [*self.engine.sequences[slot], token]
+        prompt = list(output.spec.prompt_ids)
+        running = [c for c in range(output.spec.n) if not output.finished(c)]
+        assert any(sequence == prompt + output.tokens(c) for c in running), (
+            f"slot {slot} of {output.spec.request_id} decodes {sequence}, which is no"
+            f" running choice's prompt and tokens"
+        )
+
+    @rule(data=st.data())
+    def reader_falls_behind(self, data: st.DataObject) -> None:
+        running = [o for o in self.open() if not o.full]
+        if running:
+            data.draw(st.sampled_from(running)).full = True
+
+    @rule(data=st.data())
+    def reader_catches_up(self, data: st.DataObject) -> None:
+        behind = [o for o in self.open() if o.full]
+        if behind:
+            output = data.draw(st.sampled_from(behind))
+            output.full = False
+            self.core.command(Resume(request_id=output.spec.request_id), self.now)
+            self.carry()
+
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        if running := self.open():
+            output = data.draw(st.sampled_from(running))
+            output.cancelled = True
+            self.core.command(Cancel(request_id=output.spec.request_id), self.now)
+            self.carry()
+
+    @rule(data=st.data())
+    def output_ends_a_choice(self, data: st.DataObject) -> None:
+        """The output actor ends a choice early (a stop string)."""
+        started = [
+            (o, c)
+            for o in self.open()
+            for c in range(o.spec.n)
+            if o.tokens(c) and not o.finished(c)
+        ]
+        if started:
+            output, choice = data.draw(st.sampled_from(started))
+            output.ended.add(choice)
+            self.core.command(
+                FinishChoice(request_id=output.spec.request_id, choice=choice), self.now
+            )
+            self.carry()
+
+    @rule()
+    def engine_lost(self) -> None:
+        self.core.engine_lost()
+        self.carry()
+        self.engine = SequenceEngine()  # every slot and entry died with it
+        self.owners.clear()
+
+    @rule(seconds=st.floats(0.0, 3.0))
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+        self.core.wake_after(self.now, poll=None)
+        self.core.release_due(self.now)
+
+    @precondition(lambda self: not self.draining)
+    @rule()
+    def drain(self) -> None:
+        self.draining = True
+        self.core.drain()
+        spec = GenerationRequest(request_id="late", prompt_ids=(1,), limits=Limits(max_tokens=1))
+        with pytest.raises(ServiceUnavailable):
+            self.core.command(Submit(request=spec, output=Output(-1, spec)), self.now)
+
+    # --- invariants --------------------------------------------------------
+
+    @invariant()
+    def rows_in_use_fit(self) -> None:
+        assert len(self.engine.sequences) <= CAPACITY
+        counters = self.core.counters()
+        assert counters.running_rows + counters.free_rows <= CAPACITY
+
+    @invariant()
+    def each_request_ends_once_for_one_cause(self) -> None:
+        for output in self.outputs.values():
+            assert output.closed <= 1, f"{output.spec.request_id} closed {output.closed} times"
+            failures = [m for m in output.messages if isinstance(m, RequestFailed)]
+            assert len(failures) <= 1
+            if output.closed:
+                causes = output.causes()
+                assert len(causes) == 1, f"{output.spec.request_id} ended for {causes}"
+            else:
+                assert not failures
+
+    @invariant()
+    def tokens_are_the_models(self) -> None:
+        for output in self.outputs.values():
+            for choice in range(output.spec.n):
+                tokens = output.tokens(choice)
+                assert tuple(tokens) == expected_tokens(output.spec.prompt_ids, len(tokens))
+                assert len(tokens) <= output.spec.limits.max_tokens
+
+    @invariant()
+    def pins_return_to_zero(self) -> None:
+        if self.core.quiet:  # a finished row's copy holds its path until it is made
+            assert self.core.prefix_pins() == 0
+
+    @invariant()
+    def admitted_in_order(self) -> None:
+        assert self.admitted == sorted(self.admitted)
+        assert len(set(self.admitted)) == len(self.admitted)
+
+    def teardown(self) -> None:
+        """The steps run out, slow readers still falling behind and catching
+        up (so every run pauses and restores them), the others reading: each
+        request ends, with the invariants checked after each step."""
+        for output in self.open():
+            if output.full and not output.slow:
+                output.full = False
+                self.core.command(Resume(request_id=output.spec.request_id), self.now)
+        self.carry()
+        for _ in range(500):
+            if self.core.quiet and not self.open():
+                break
+            self.step()
+            self.rows_in_use_fit()
+            self.each_request_ends_once_for_one_cause()
+            self.tokens_are_the_models()
+            self.pins_return_to_zero()
+            self.admitted_in_order()
+        assert self.core.quiet
+        for output in self.outputs.values():
+            assert output.closed == 1, f"{output.spec.request_id} never ended"
+        assert self.core.prefix_pins() == 0
+
+
+def test_the_core_keeps_its_promises() -> None:
+    run_state_machine_as_test(
+        SchedulerMachine,
+        settings=settings(max_examples=100, stateful_step_count=50, deadline=None),
+    )
+
+
+def test_the_core_does_no_io() -> None:
+    """No event loop, thread, clock or socket inside the rules: time comes in
+    as ``now``, and messages go out for the shell to carry."""
+    tree = ast.parse(inspect.getsource(scheduler_core))
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert "sluiceway" in imported  # the walk sees imports
+    assert not imported & {"anyio", "asyncio", "trio", "threading", "time", "socket", "os"}
