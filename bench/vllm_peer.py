@@ -76,7 +76,6 @@ def servers(model: Path, seqs: int, logs: Path) -> dict[str, tuple[str, subproce
         NAME,
         "--port",
         "18302",
-        "--disable-log-requests",
         *common,
     ]
     return {
@@ -96,8 +95,8 @@ async def measure(args: argparse.Namespace) -> str:
     try:
         for url, process in running.values():
             await wait_healthy(url, 900, alive=lambda p=process: p.poll() is None)
-        levels = len(args.concurrency) * args.rounds * 2 + 2
-        count = sum(args.concurrency) * args.requests * levels
+        # Two warm-up levels of two requests, then each round of each level.
+        count = 4 + 2 * args.rounds * sum(args.concurrency) * args.requests
         prompts: Iterator[str] = iter(
             prompts_of_length(str(model / "tokenizer.json"), corpus(), args.prompt_tokens, count)
         )
