@@ -381,16 +381,26 @@ def _python_value(writer: _Writer, prop: Any, schema: Mapping[str, Any]) -> str:
     return _any_python(writer)
 
 
+#: The escapes a Python string literal may hold here (others, such as a lone
+#: ``\\x`` or ``\\N``, do not parse).
+_PYTHON_ESCAPE = r"""\\[\\'"nrt]"""
+
+
 def _python_string(schema: Mapping[str, Any]) -> str:
-    """A Python string literal in either quotes, on one line, of the schema's length."""
+    """A Python string literal in either quotes, of the schema's length."""
     low = int(schema.get("minLength", 0))
     high = schema.get("maxLength")
     count = f"{{{low},{'' if high is None else int(high)}}}"
-    return "/" + "|".join(f"{q}([^{q}\\\\\\n]|\\\\.){count}{q}" for q in "\"'") + "/"
+    return f"/{_quoted(count)}/"
+
+
+def _quoted(count: str) -> str:
+    """A Python string literal in either quotes with ``count`` characters: on
+    one line (a raw newline or carriage return ends a line in Python source)
+    and with only the escapes that always parse."""
+    return "|".join(f"{q}([^{q}\\\\\\n\\r\\x00]|{_PYTHON_ESCAPE}){count}{q}" for q in "\"'")
 
 
 def _any_python(writer: _Writer) -> str:
     """A Python literal without brackets: a number, a string, a constant."""
-    return writer.terminal(
-        "/-?[0-9]+(\\.[0-9]+)?|\"([^\"\\\\\\n]|\\\\.)*\"|'([^'\\\\\\n]|\\\\.)*'|True|False|None/"
-    )
+    return writer.terminal(f"/-?[0-9]+(\\.[0-9]+)?|{_quoted('*')}|True|False|None/")
