@@ -1,6 +1,6 @@
 # `make serve` and `make test` work on a fresh machine with only Python 3.11+:
 # both create .venv and install the project first, every package at the
-# version requirements.lock pins (`make lock` regenerates it; see README).
+# version requirements.lock pins (`make lock` regenerates it; see docs/development.md).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -181,7 +181,7 @@ lock-vllm: $(STAMP)
 		$(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) \
 		--override $(VLLM_OVERRIDES) pyproject.toml --extra test --extra vllm -o $(VLLM_LOCK)
 
-# The serving benchmark (bench/serve.py); see README for the others.
+# The serving benchmark (bench/serve.py); docs/benchmarks.md lists the others.
 # The serving benchmark preloads Debian's OpenBLAS into every mlx process
 # (mlx's bundled reference BLAS is many times slower on the CPU): installed
 # here when it is missing and apt-get can (as root); without it the report
