@@ -214,7 +214,7 @@ def _spelled(family: str, vocabulary: Collection[str]) -> bool:
     """The family's first markup is one token of the vocabulary, where its
     models have it so (plain-text markup such as ``[`` needs no token)."""
     fmt = FORMATS[family]
-    openers = [lit.text for lit, _ in formats.graph_of(family).entry]
+    openers = [lit.text for lit, _ in formats.GRAPHS[family].entry]
     if any(text not in fmt.special for text in openers):
         return True
     return all(text in vocabulary for text in openers)

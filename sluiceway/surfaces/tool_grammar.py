@@ -40,7 +40,7 @@ from types import MappingProxyType
 from typing import Any
 
 from sluiceway.engines.grammar import lark_json, lark_literal, lark_regex
-from sluiceway.parsers.formats import FORMATS, graph_of
+from sluiceway.parsers.formats import FORMATS, GRAPHS
 from sluiceway.parsers.formats.arguments import ToolSchema, is_string_parameter, resolved
 from sluiceway.parsers.formats.spec import (
     MAX_WHITESPACE,
@@ -125,7 +125,7 @@ def _start(fmt: ToolFormat, plan: CallPlan) -> str:
 
 def _opening(fmt: ToolFormat) -> str:
     """Text that the parser would read as the opening of markup."""
-    openers = "|".join(re.escape(lit.text) for lit, _ in graph_of(fmt.name).entry)
+    openers = "|".join(re.escape(lit.text) for lit, _ in GRAPHS[fmt.name].entry)
     if fmt.at_start:
         return lark_regex(f"(?s:[ \\t\\r\\n]*(?:{openers}).*)")
     return lark_regex(f"(?s:.*(?:{openers}).*)")

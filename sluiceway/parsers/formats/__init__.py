@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -11,15 +10,10 @@ from sluiceway.parsers.formats.families import FORMATS
 from sluiceway.parsers.formats.graph import Graph
 from sluiceway.parsers.formats.parser import FormatParser
 
-__all__ = ["FORMATS", "GRAPHS", "FormatParser", "ToolSchema", "graph_of", "parser"]
+__all__ = ["FORMATS", "GRAPHS", "FormatParser", "ToolSchema", "parser"]
 
-
-@functools.cache
-def graph_of(name: str) -> Graph:
-    return Graph(FORMATS[name])
-
-
-GRAPHS: Mapping[str, Graph] = MappingProxyType({name: graph_of(name) for name in FORMATS})
+#: Each format's compiled graph (compiling checks that it is deterministic).
+GRAPHS: Mapping[str, Graph] = MappingProxyType({name: Graph(fmt) for name, fmt in FORMATS.items()})
 
 
 def parser(
