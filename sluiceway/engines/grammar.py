@@ -38,6 +38,7 @@ import llguidance.numpy
 import numpy as np
 import numpy.typing as npt
 
+from sluiceway.engines.date_formats import exact_date_formats
 from sluiceway.protocol.constraints import Constraint, ConstraintKind
 
 if TYPE_CHECKING:
@@ -186,12 +187,24 @@ def grammar_text(constraint: Constraint) -> str:
     if kind is ConstraintKind.JSON_OBJECT:
         kind, text = ConstraintKind.JSON_SCHEMA, '{"type": "object"}'
     if kind is ConstraintKind.JSON_SCHEMA:
-        return llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            _exact_text(text), overrides=JSON_OPTIONS
+        )
     if kind is ConstraintKind.REGEX:
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind is ConstraintKind.CHOICE:
         return llguidance.LLMatcher.grammar_from_lark(_choice_lark(text))
     return llguidance.LLMatcher.grammar_from_lark(text)
+
+
+def _exact_text(schema_text: str) -> str:
+    """The schema with exact date formats (text that is not JSON goes on to
+    llguidance, whose error names what is wrong)."""
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return schema_text
+    return json.dumps(exact_date_formats(schema))
 
 
 def _choice_lark(text: str) -> str:
@@ -223,7 +236,7 @@ def lark_regex(pattern: str) -> str:
 def lark_json(schema: Mapping[str, Any]) -> str:
     """A JSON schema inlined in a Lark grammar, generated as
     :data:`JSON_OPTIONS` says (one line, ``json.dumps`` separators)."""
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    return "%json " + json.dumps({**exact_date_formats(schema), "x-guidance": JSON_OPTIONS})
 
 
 def embedded_rule(constraint: Constraint) -> str:
