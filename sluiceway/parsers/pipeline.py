@@ -48,6 +48,25 @@ class TextStage(Protocol):
         ...
 
 
+class TokenReader(Protocol):
+    """A first stage that reads token ids as well as text (harmony's special
+    tokens are markup by id): each token's released text becomes events."""
+
+    def feed_token(self, token: int, token_id: int | None, text: str) -> list[Event]:
+        """Token ``token`` (``token_id`` None: only text flushed on its behalf)."""
+        ...
+
+    def finish(self) -> list[Event]: ...
+
+    @property
+    def held_from(self) -> int | None: ...
+
+    def open_channel(self, upstream: Channel) -> Channel: ...
+
+    @property
+    def transparent(self) -> bool: ...
+
+
 class StopStage(TextStage, Protocol):
     """A stage that can end the output (the stop-string matcher)."""
 
@@ -74,9 +93,15 @@ class ChoicePipeline:
         stages: Sequence[TextStage] = (),
         *,
         stop: StopStage | None = None,
+        reader: TokenReader | None = None,
     ) -> None:
         self._detokenizer = IncrementalDetokenizer(table)
+        self._reader = reader
         self._stages = tuple(stages)
+        # Asked what every stage is asked (held text, open channel), reader first.
+        self._all: tuple[TextStage | TokenReader, ...] = (
+            (reader, *stages) if reader is not None else self._stages
+        )
         self._stop = stop
         self._assembler = ChunkAssembler()
         self.tokens_fed = 0
@@ -117,7 +142,7 @@ class ChoicePipeline:
                     return [chunk]
         elif text or self._partial_from is None:
             self._partial_from = token
-        events: list[Event] = [content(token, text)] if text else []
+        events = self._read(token, token_id, text)
         for stage in self._stages:
             events = stage.feed(events)
         self._assembler.register(token, self._open_channel())
@@ -128,18 +153,25 @@ class ChoicePipeline:
         events: list[Event] = []
         tail = self._detokenizer.finish()
         if tail and self.stopped_by is None and self._partial_from is not None:
-            events.append(content(self._partial_from, tail))
+            events = self._read(self._partial_from, None, tail)
+        if self._reader is not None:
+            events += self._reader.finish()
         for stage in self._stages:
             events = stage.feed(events) + stage.finish()
         chunks = self._assembler.assemble(events, self.tokens_fed)
         return Finished(tuple(chunks), self._assembler.final())
 
+    def _read(self, token: int, token_id: int | None, text: str) -> list[Event]:
+        if self._reader is not None:
+            return self._reader.feed_token(token, token_id, text)
+        return [content(token, text)] if text else []
+
     def _transparent(self) -> bool:
-        return all(stage.transparent for stage in self._stages)
+        return all(stage.transparent for stage in self._all)
 
     def _open_channel(self) -> Channel:
         channel = Channel.CONTENT
-        for stage in self._stages:
+        for stage in self._all:
             channel = stage.open_channel(channel)
         return channel
 
@@ -147,7 +179,7 @@ class ChoicePipeline:
         watermark = self.tokens_fed
         if self._partial_from is not None:
             watermark = self._partial_from
-        for stage in self._stages:
+        for stage in self._all:
             held = stage.held_from
             if held is not None and held < watermark:
                 watermark = held

@@ -32,7 +32,7 @@ from sluiceway.parsers.events import (
     ToolCallOpened,
     content,
 )
-from sluiceway.parsers.pipeline import ChoicePipeline, StopStage, TextStage
+from sluiceway.parsers.pipeline import ChoicePipeline, StopStage, TextStage, TokenReader
 from sluiceway.protocol.tokens import TokenTable
 
 WS = " \t\r\n"
@@ -372,7 +372,7 @@ class Watermarks:
     smallest token a stage (or a character the detokenizer is completing)
     still holds text of."""
 
-    def __init__(self, table: TokenTable, stages: Sequence[TextStage]) -> None:
+    def __init__(self, table: TokenTable, stages: Sequence[TextStage | TokenReader]) -> None:
         self._detokenizer = IncrementalDetokenizer(table)
         self._stages = stages
         self._partial_from: int | None = None
@@ -390,13 +390,19 @@ class Watermarks:
 
 
 def run_pipeline(
-    tokenized: Tokenized, stages: Sequence[TextStage], stop: StopStage | None = None
+    tokenized: Tokenized,
+    stages: Sequence[TextStage],
+    stop: StopStage | None = None,
+    *,
+    reader: TokenReader | None = None,
+    eos: frozenset[int] | None = None,
 ) -> PipelineRun:
+    """``eos``: the ids fed as invisible (default: the table's hidden ids)."""
     recorder = Recorder()
-    pipeline = ChoicePipeline(tokenized.table, [*stages, recorder], stop=stop)
-    watermarks = Watermarks(tokenized.table, stages)
+    pipeline = ChoicePipeline(tokenized.table, [*stages, recorder], stop=stop, reader=reader)
+    watermarks = Watermarks(tokenized.table, [reader, *stages] if reader else stages)
     chunks: list[tuple[int, Chunk]] = []
-    eos = tokenized.table.hidden
+    eos = tokenized.table.hidden if eos is None else eos
     for step, token_id in enumerate(tokenized.ids):
         visible = token_id not in eos
         chunks.extend((step, chunk) for chunk in pipeline.feed(token_id, visible=visible))
