@@ -17,13 +17,18 @@ from sluiceway.parsers import formats, reasoning
 from sluiceway.parsers.events import Channel
 from sluiceway.parsers.formats import FORMATS, ToolSchema
 from sluiceway.parsers.formats.render import forced_prefix
+from sluiceway.parsers.harmony import HarmonyParser, HarmonyTokens
 from sluiceway.parsers.pipeline import ChoicePipeline, StopStage, TextStage
 from sluiceway.parsers.stages import ParserError
 from sluiceway.parsers.stop import StopMatcher
 from sluiceway.protocol.tokens import TokenTable
 
 __all__ = [
+    "HARMONY_REASONING",
+    "HARMONY_TOOLS",
+    "REASONING_NAMES",
     "REASONING_PARSERS",
+    "TOOL_NAMES",
     "TOOL_PARSERS",
     "ParserChoice",
     "PrimedStage",
@@ -36,6 +41,7 @@ __all__ = [
     "detect_parsers",
     "forced_reasoning_close",
     "forced_tool_prefix",
+    "is_harmony",
     "markup_texts",
     "mentions_tools",
 ]
@@ -69,6 +75,21 @@ TOOL_PARSERS: Mapping[str, ToolParserFactory] = MappingProxyType(
 )
 
 
+#: vLLM's names for gpt-oss's harmony (one reader by token id does the work
+#: of both parsers: :mod:`sluiceway.parsers.harmony`).
+HARMONY_REASONING = "openai_gptoss"
+HARMONY_TOOLS = "openai"
+
+#: Every name ``--reasoning-parser`` / ``--tool-call-parser`` takes.
+REASONING_NAMES = (*REASONING_PARSERS, HARMONY_REASONING)
+TOOL_NAMES = (*TOOL_PARSERS, HARMONY_TOOLS)
+
+
+def is_harmony(reasoning_parser: str | None, tool_parser: str | None = None) -> bool:
+    """Whether the text path reads harmony (either name selects it)."""
+    return reasoning_parser == HARMONY_REASONING or tool_parser == HARMONY_TOOLS
+
+
 @dataclass(frozen=True, slots=True)
 class ParserChoice:
     """The reasoning and tool-call parsers the server runs (None: none)."""
@@ -94,9 +115,11 @@ class TextPathOptions:
 
 
 def build_stages(options: TextPathOptions) -> tuple[tuple[TextStage, ...], StopStage | None]:
-    """Fresh, primed stages in pipeline order (reasoning, stop, tools), and the stop stage."""
+    """Fresh, primed stages in pipeline order (reasoning, stop, tools), and the
+    stop stage (harmony's parsers are the pipeline's reader instead)."""
+    harmony = is_harmony(options.reasoning_parser, options.tool_parser)
     stages: list[TextStage] = []
-    if options.reasoning_parser is not None:
+    if options.reasoning_parser is not None and not harmony:
         thinking = _lookup(REASONING_PARSERS, options.reasoning_parser, "reasoning")()
         thinking.prime(options.assistant_prefix + options.forced_prefix)
         stages.append(thinking)
@@ -109,7 +132,7 @@ def build_stages(options: TextPathOptions) -> tuple[tuple[TextStage, ...], StopS
             match_in_reasoning=options.stop_in_reasoning,
         )
         stages.append(stop)
-    if options.tool_parser is not None:
+    if options.tool_parser is not None and not harmony:
         factory = _lookup(TOOL_PARSERS, options.tool_parser, "tool")
         tools = factory(tools=options.tools, parallel_tool_calls=options.parallel_tool_calls)
         tools.prime(options.forced_prefix)
@@ -120,12 +143,19 @@ def build_stages(options: TextPathOptions) -> tuple[tuple[TextStage, ...], StopS
 def build_pipeline(table: TokenTable, options: TextPathOptions) -> ChoicePipeline:
     """One choice's text path; with default options exactly ``ChoicePipeline(table)``."""
     stages, stop = build_stages(options)
-    return ChoicePipeline(table, stages, stop=stop)
+    if not is_harmony(options.reasoning_parser, options.tool_parser):
+        return ChoicePipeline(table, stages, stop=stop)
+    reader = HarmonyParser(HarmonyTokens.of(table), parallel_tool_calls=options.parallel_tool_calls)
+    reader.prime(options.assistant_prefix + options.forced_prefix)
+    return ChoicePipeline(table, stages, stop=stop, reader=reader)
 
 
 def forced_tool_prefix(tool_parser: str, name: str | None) -> str:
     """The assistant prefix that forces a tool call: any tool (``None``, i.e.
     ``tool_choice: "required"``) or the named function."""
+    if tool_parser == HARMONY_TOOLS:
+        named = f"{name} <|constrain|>json<|message|>" if name is not None else ""
+        return "<|channel|>commentary to=functions." + named
     return forced_prefix(_lookup(FORMATS, tool_parser, "tool"), name)
 
 
@@ -133,8 +163,8 @@ def forced_reasoning_close(reasoning_parser: str | None, assistant_prefix: str) 
     """What a forced tool call's prefix starts with: the close of the
     reasoning block the assistant prefix left open (a forced call cannot
     start inside reasoning), or nothing."""
-    if reasoning_parser is None:
-        return ""
+    if reasoning_parser is None or reasoning_parser == HARMONY_REASONING:
+        return ""  # a harmony prompt ends between messages
     stage = _lookup(REASONING_PARSERS, reasoning_parser, "reasoning")()
     stage.prime(assistant_prefix)
     if stage.open_channel(Channel.CONTENT) is not Channel.REASONING:
@@ -155,6 +185,8 @@ def detect_parsers(
     """
     if not chat_template:
         return None, None
+    if all(marker in vocabulary for marker in _HARMONY_EVIDENCE) and "<|channel|>" in chat_template:
+        return HARMONY_REASONING, HARMONY_TOOLS
     return (
         _detect_reasoning(chat_template, vocabulary, tuple(generation_prefixes)),
         _detect_tools(chat_template, vocabulary),
@@ -173,6 +205,9 @@ def _detect_reasoning(
         return _FAMILY_REASONING[family]
     return "deepseek_r1" if _always_opens_think(prefixes) else "qwen3"
 
+
+#: Harmony's markers that its models' vocabularies hold as tokens.
+_HARMONY_EVIDENCE = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
 
 #: Families whose reasoning a tool call may end (see ``ReasoningDialect.ends_at``).
 _FAMILY_REASONING: Mapping[str, str] = MappingProxyType(
@@ -229,6 +264,8 @@ def markup_texts(reasoning_parser: str | None, tool_parser: str | None) -> tuple
     """The markup the chosen parsers read: where the tokenizer has it as a
     special token, the token must show in the text the parsers are fed."""
     texts: list[str] = []
+    if is_harmony(reasoning_parser, tool_parser):
+        return ()  # read by token id: special tokens stay out of the text
     if reasoning_parser is not None:
         dialect = reasoning.DIALECTS[reasoning_parser]
         texts += [dialect.open_tag, dialect.close_tag, *dialect.ends_at]

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from sluiceway.engines.device import check_device
 from sluiceway.engines.vllm_engine import VllmOptions, parse_extra_args
-from sluiceway.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
+from sluiceway.parsers.registry import REASONING_NAMES, TOOL_NAMES
 
 WorkerClass = Literal["asyncio", "trio"]
 
@@ -32,8 +32,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "worker_class": ("asyncio", "trio"),
     "logprobs_mode": ("raw", "processed"),
     "reasoning_field": ("reasoning_content", "reasoning", "both"),
-    "reasoning_parser": ("auto", "none", *REASONING_PARSERS),
-    "tool_call_parser": ("auto", "none", *TOOL_PARSERS),
+    "reasoning_parser": ("auto", "none", *REASONING_NAMES),
+    "tool_call_parser": ("auto", "none", *TOOL_NAMES),
     "log_level": ("debug", "info", "warning", "error"),
     "distributed_executor_backend": ("auto", "mp", "ray", "uni", "external_launcher"),
 }

@@ -9,6 +9,7 @@ truth), with the alignment contract over every run.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,7 +19,17 @@ from hypothesis import strategies as st
 
 from sluiceway.parsers.events import Channel, Span
 from sluiceway.parsers.harmony import HarmonyParser, HarmonyTokens, Marker
+from sluiceway.parsers.registry import (
+    TextPathOptions,
+    build_pipeline,
+    build_stages,
+    detect_parsers,
+    forced_reasoning_close,
+    forced_tool_prefix,
+    markup_texts,
+)
 from sluiceway.protocol.tokens import TokenTable
+from sluiceway.server.config import CHOICES
 
 from .harness import (
     MULTIBYTE,
@@ -360,3 +371,81 @@ def test_arguments_reconstruct_as_json() -> None:
     ]
     routed, _ = parse(items, [[], list(range(1, len(args.encode())))])
     assert json.loads(routed.call_list[0][1]) == {"q": "漢字 🙂", "n": [1, 2]}
+
+
+# -- names and detection ------------------------------------------------------
+
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>"
+    "{{ m.content }}<|end|>{% endfor %}<|start|>assistant"
+)
+HARMONY_VOCAB = {m.value for m in Marker} | {"a"}
+
+
+def test_a_harmony_template_is_detected_without_flags() -> None:
+    assert detect_parsers(HARMONY_TEMPLATE, HARMONY_VOCAB, ["<|start|>assistant"]) == (
+        "openai_gptoss",
+        "openai",
+    )
+    # The markup in a template whose vocabulary lacks the tokens is not harmony.
+    assert detect_parsers(HARMONY_TEMPLATE, {"a"}, []) == (None, None)
+
+
+def test_vllm_names_select_the_reader() -> None:
+    assert "openai_gptoss" in CHOICES["reasoning_parser"]
+    assert "openai" in CHOICES["tool_call_parser"]
+    assert markup_texts("openai_gptoss", "openai") == ()  # markers stay hidden
+    assert forced_reasoning_close("openai_gptoss", PROMPT_END) == ""
+
+
+@pytest.mark.parametrize(
+    ("reasoning", "tools"), [("openai_gptoss", None), (None, "openai"), ("openai_gptoss", "openai")]
+)
+def test_either_name_builds_a_pipeline_reading_harmony(
+    reasoning: str | None, tools: str | None
+) -> None:
+    items: list[Item] = [
+        Marker.CHANNEL, "analysis", Marker.MESSAGE, "hm", Marker.END, Marker.START, "assistant",
+        Marker.CHANNEL, "commentary to=functions.f", Marker.MESSAGE, "{}", Marker.CALL,
+    ]  # fmt: skip
+    tokenized = tokenize(items)
+    options = TextPathOptions(
+        reasoning_parser=reasoning, tool_parser=tools, assistant_prefix=PROMPT_END
+    )
+    pipeline = build_pipeline(tokenized.table, options)
+    chunks = [chunk for token_id in tokenized.ids for chunk in pipeline.feed(token_id)]
+    chunks += [*pipeline.finish().chunks]
+    assert "".join(chunk.reasoning for chunk in chunks) == "hm"
+    calls = [fragment for chunk in chunks for fragment in chunk.tool_calls]
+    assert [(f.name, f.arguments) for f in calls] == [("f", ""), (None, "{}")]
+
+
+@pytest.mark.parametrize(("name", "call"), [("get_weather", "get_weather"), (None, "f")])
+def test_a_forced_call_prefix_opens_a_call(name: str | None, call: str) -> None:
+    prefix = forced_tool_prefix("openai", name)
+    assert prefix.startswith("<|channel|>commentary to=functions.")
+    rest = "" if name is not None else "f <|constrain|>json<|message|>"
+    items: list[Item] = [*_items_of(rest), '{"a": 1}', Marker.CALL]
+    routed, _ = parse(items, prime=PROMPT_END + prefix)
+    assert routed.call_list == [(call, '{"a": 1}')]
+
+
+def _items_of(text: str) -> list[Item]:
+    by_name = {m.value: m for m in Marker}
+    pieces = re.split("(" + "|".join(re.escape(name) for name in by_name) + ")", text)
+    return [by_name.get(piece, piece) for piece in pieces if piece]
+
+
+def test_stop_strings_end_the_final_channel_not_the_analysis() -> None:
+    items: list[Item] = [
+        Marker.CHANNEL, "analysis", Marker.MESSAGE, "a STOP b", Marker.END, Marker.START,
+        "assistant", Marker.CHANNEL, "final", Marker.MESSAGE, "c STOP d", Marker.RETURN,
+    ]  # fmt: skip
+    tokenized = tokenize(items, [[], [2, 5], [], [], [1, 4]])
+    options = TextPathOptions(reasoning_parser="openai_gptoss", stop=("STOP",))
+    stages, stop = build_stages(options)
+    reader = HarmonyParser(HarmonyTokens.of(tokenized.table))
+    run = run_pipeline(tokenized, stages, stop, reader=reader)
+    assert_contract(run)
+    routed = chunk_texts(run)
+    assert (routed.reasoning, routed.content, run.stopped_by) == ("a STOP b", "c ", "STOP")
