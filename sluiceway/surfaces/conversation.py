@@ -81,6 +81,9 @@ class Conversation:
     #: it to the template (or the server's defaults). ``template_kwargs``
     #: override it.
     thinking: bool | None = None
+    #: The template's reasoning level (:data:`EFFORT_VARIABLE`: low, medium or
+    #: high); None: the template's default. ``template_kwargs`` override it.
+    effort: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,6 +125,9 @@ class StopOptions:
 #: The chat template variable that turns thinking on or off (Qwen3's name,
 #: which the project's templates and most hybrid-thinking models read).
 THINKING_SWITCH = "enable_thinking"
+#: The chat template variable of the reasoning level (gpt-oss's name, which
+#: vLLM sets from ``reasoning_effort`` too).
+EFFORT_VARIABLE = "reasoning_effort"
 
 #: Characters no tokenizer takes: halves of UTF-16 surrogate pairs, which a
 #: JSON body can carry (``"\ud83d"`` alone) and Python keeps.
@@ -214,7 +220,11 @@ def _exact(
 def template_kwargs(serving: Serving, conversation: Conversation) -> dict[str, Any]:
     """The chat template's variables: the server's defaults, the thinking
     switch, then the conversation's own, each overriding the one before."""
-    switch = {} if conversation.thinking is None else {THINKING_SWITCH: conversation.thinking}
+    switch: dict[str, Any] = {}
+    if conversation.thinking is not None:
+        switch[THINKING_SWITCH] = conversation.thinking
+    if conversation.effort is not None:
+        switch[EFFORT_VARIABLE] = conversation.effort
     return {
         **serving.default_template_kwargs,
         **switch,

@@ -40,6 +40,28 @@ def thinking_for_effort(effort: Effort) -> bool:
     return effort not in THINKING_OFF
 
 
+#: The reasoning level a template reads (``reasoning_effort``, gpt-oss's
+#: ``Reasoning: low|medium|high``) for each effort.
+_LEVELS = {
+    Effort.NONE: "low",
+    Effort.MINIMAL: "low",
+    Effort.LOW: "low",
+    Effort.MEDIUM: "medium",
+    Effort.HIGH: "high",
+    Effort.XHIGH: "high",
+    Effort.MAX: "high",
+}
+
+
+def reasoning_level(effort: str | None) -> str | None:
+    """The template's reasoning level for an API's effort (None: not given,
+    or a level no API defines)."""
+    try:
+        return None if effort is None else _LEVELS[Effort(effort)]
+    except ValueError:
+        return None
+
+
 def keep_recent_reasoning(messages: Sequence[Message], turns: int) -> tuple[Message, ...]:
     """The history with the reasoning of all but the last ``turns`` assistant
     turns left out (a client's request to clear earlier thinking)."""

@@ -20,7 +20,12 @@ from sluiceway.surfaces.conversation import (
     StopOptions,
     render_conversation,
 )
-from sluiceway.surfaces.reasoning import Effort, keep_recent_reasoning, thinking_for_effort
+from sluiceway.surfaces.reasoning import (
+    Effort,
+    keep_recent_reasoning,
+    reasoning_level,
+    thinking_for_effort,
+)
 from tests.fixtures.scripted_model import ScriptedModel
 
 #: Like many real templates (Qwen3's among them): a system message anywhere
@@ -127,6 +132,20 @@ def test_effort_levels_onto_the_switch() -> None:
         True,
         True,
     ]
+
+
+def test_effort_levels_onto_the_templates_reasoning_level(scripted: ScriptedModel) -> None:
+    assert [reasoning_level(effort.value) for effort in Effort] == [
+        "low", "low", "low", "medium", "high", "high", "high",
+    ]  # fmt: skip
+    assert (reasoning_level(None), reasoning_level("lots")) == (None, None)
+    level = "{{ reasoning_effort | default('unset') }}"
+    user = (Message(role=Role.USER, text="hi"),)
+    assert prompt(serving(scripted, level), Conversation(messages=user)) == "unset"
+    assert prompt(serving(scripted, level), Conversation(messages=user, effort="low")) == "low"
+    # A request's own template variables have the last word.
+    mine = Conversation(messages=user, effort="low", template_kwargs={"reasoning_effort": "x"})
+    assert prompt(serving(scripted, level), mine) == "x"
 
 
 def test_keep_recent_reasoning() -> None:

@@ -331,6 +331,8 @@ def test_effort_switches_thinking(effort: str | None, thinking: bool | None) -> 
     reasoning = {} if effort is None else {"reasoning": {"effort": effort}}
     conversation, _ = translate(**reasoning)
     assert conversation.thinking is thinking
+    assert conversation.effort == {None: None, "none": "low", "minimal": "low", "low": "low",
+                                   "xhigh": "high"}[effort]  # fmt: skip
 
 
 def test_a_turns_ids_come_from_its_items_and_errors_name_the_item() -> None:

@@ -52,7 +52,12 @@ from sluiceway.surfaces.conversation import (
     ToolSpec,
     turn_ids,
 )
-from sluiceway.surfaces.reasoning import Effort, keep_recent_reasoning, thinking_for_effort
+from sluiceway.surfaces.reasoning import (
+    Effort,
+    keep_recent_reasoning,
+    reasoning_level,
+    thinking_for_effort,
+)
 
 _ROLES = {"user": Role.USER, "assistant": Role.ASSISTANT, "system": Role.SYSTEM}
 
@@ -90,6 +95,7 @@ def conversation_and_params(
         parallel_tool_calls=choice is None or not choice.disable_parallel_tool_use,
         template_kwargs=request.chat_template_kwargs,
         thinking=_thinking(request),
+        effort=reasoning_level(request.output_config.effort if request.output_config else None),
     )
     return conversation, ConversationParams(locations=tuple(locations))
 

@@ -4,6 +4,7 @@ and generation request, the reply through the chat encoder."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Literal, Protocol
 
 from sluiceway.parsers.registry import build_pipeline
@@ -37,6 +38,7 @@ from sluiceway.surfaces.openai.chat_wire import (
 )
 from sluiceway.surfaces.openai.chat_wire import ToolSpec as ToolSpecWire
 from sluiceway.surfaces.openai.fields import OpenAIOptions
+from sluiceway.surfaces.reasoning import reasoning_level
 
 _ROLES = {
     "system": Role.SYSTEM,
@@ -157,7 +159,10 @@ async def handle(options: OpenAIOptions, serving: Serving, call: Call) -> None:
         min_tokens=request.min_tokens,
     )
     prompt = await structured.constrained_prompt(
-        serving, conversation_of(request), stops, output_format(request)
+        serving,
+        replace(conversation_of(request), effort=reasoning_level(request.reasoning_effort)),
+        stops,
+        output_format(request),
     )
     per_token = request.logprobs or bool(request.logprob_token_ids)
     logprobs = validation.logprob_params(

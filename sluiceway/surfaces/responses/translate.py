@@ -29,6 +29,7 @@ from sluiceway.surfaces.conversation import (
     TurnIds,
     turn_ids,
 )
+from sluiceway.surfaces.reasoning import reasoning_level
 from sluiceway.surfaces.responses.tools import CUSTOM_INPUT, ToolTable, qualified, tool_choice
 from sluiceway.surfaces.responses.wire import (
     CallOutputItem,
@@ -244,6 +245,7 @@ def conversation_of(
         parallel_tool_calls=request.parallel_tool_calls is not False,
         template_kwargs=request.chat_template_kwargs,
         thinking=thinking(request),
+        effort=reasoning_level(request.reasoning.effort if request.reasoning else None),
     )
     params = ConversationParams(
         messages="input", tools="tools", tool_choice="tool_choice", locations=turns.locations
