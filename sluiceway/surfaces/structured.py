@@ -34,7 +34,7 @@ from pydantic import Field, StrictBool, StrictStr, model_validator
 
 from sluiceway.engines.grammar import GrammarEngine, embedded_rule
 from sluiceway.parsers.reasoning import DIALECTS, UnsupportedGateError, reasoning_gate
-from sluiceway.parsers.registry import TextPathOptions
+from sluiceway.parsers.registry import TextPathOptions, is_harmony
 from sluiceway.protocol.constraints import Constraint, ConstraintKind
 from sluiceway.protocol.errors import InvalidConstraint, InvalidRequest
 from sluiceway.surfaces.base import Serving
@@ -46,6 +46,7 @@ from sluiceway.surfaces.conversation import (
     ToolSpec,
     render_conversation,
 )
+from sluiceway.surfaces.harmony_grammar import harmony_grammar
 from sluiceway.surfaces.tool_grammar import CallableTool, CallPlan, call_grammar
 from sluiceway.surfaces.wire import StrictModel
 
@@ -184,11 +185,14 @@ async def constrained_prompt(
     if output is not None:
         await serving.constraints.check(output.constraint, param=output.param)
     chosen = output
-    if by_grammar:
+    harmony = is_harmony(serving.parsers.reasoning, serving.parsers.tools)
+    if harmony and (by_grammar or output is not None):
+        chosen = await _harmony_format(serving, conversation, output, params, calls=by_grammar)
+    elif by_grammar:
         chosen = await _call_format(serving, conversation, output, params)
     if chosen is None:
         return ConstrainedPrompt(prompt.ids, prompt.options, None, prompt.reused)
-    constraint = _after_reasoning(serving, prompt.options, chosen)
+    constraint = chosen.constraint if harmony else _after_reasoning(serving, prompt.options, chosen)
     await serving.constraints.check(constraint, param=chosen.param)
     return ConstrainedPrompt(prompt.ids, prompt.options, constraint, prompt.reused)
 
@@ -253,6 +257,44 @@ async def _call_format(
     text = call_grammar(serving.parsers.tools, plan, functools.partial(_markup, serving, grammars))
     constraint = Constraint(kind=ConstraintKind.GRAMMAR, text=text)
     return OutputFormat(constraint=constraint, param=params.tools)
+
+
+async def _harmony_format(
+    serving: Serving,
+    conversation: Conversation,
+    output: OutputFormat | None,
+    params: ConversationParams,
+    *,
+    calls: bool,
+) -> OutputFormat:
+    """The grammar of a harmony reply (:mod:`~sluiceway.surfaces.harmony_grammar`):
+    the format holds the final answer, and ``calls`` (tool rules that need a
+    grammar) hold the calls; reasoning and preambles stay free."""
+    grammars = serving.constraints.grammars
+    if grammars is None:  # a format was checked by now, so there is an engine
+        raise InvalidConstraint("this server has no grammar engine", param=params.tools)
+    final = None
+    if output is not None:
+        try:
+            final = embedded_rule(output.constraint)
+        except ValueError as error:
+            raise InvalidConstraint(
+                f"{error} (gpt-oss's final answer)", param=output.param
+            ) from None
+    mode = _mode(conversation)
+    named = conversation.tool_choice.name if conversation.tool_choice is not None else None
+    tools = []
+    for index, tool in enumerate(conversation.tools if calls else ()):
+        if mode is not ToolChoiceMode.NAMED or tool.name == named:
+            tools.append(await _callable(serving, tool, params.tool_param(index, tool.name)))
+    text = harmony_grammar(
+        functools.partial(_markup, serving, grammars),
+        final=final,
+        tools=tools,
+        answer=mode is ToolChoiceMode.AUTO,
+    )
+    param = output.param if output is not None and not calls else params.tools
+    return OutputFormat(constraint=Constraint(kind=ConstraintKind.GRAMMAR, text=text), param=param)
 
 
 async def _callable(serving: Serving, tool: ToolSpec, param: str) -> CallableTool:

@@ -317,3 +317,55 @@ def test_messages_blocks_whole_and_streamed(
     assert whole.stop_reason == ("tool_use" if expected.calls else "end_turn")
     assert [block.model_dump(exclude={"id"}) for block in streamed.content] == blocks
     assert streamed.stop_reason == whole.stop_reason
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("script", ["analysis_final", "final_json"])
+def test_a_format_holds_the_final_answer_only(
+    harmony_server: RunningServer, harmony: HarmonyModel, script: str
+) -> None:
+    """The script's reasoning comes out as written; its answer is held to
+    the schema (``analysis_final`` would say "Hello! ..." unconstrained)."""
+    body = {
+        **_chat_body(harmony_server, harmony, script),
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}},
+        "max_tokens": 60,
+    }
+    whole = _post(harmony_server, "/chat/completions", body)
+    message = whole["choices"][0]["message"]
+    assert message["reasoning_content"] == EXPECTED[script].reasoning
+    assert json.loads(message["content"]) in ({"answer": "yes"}, {"answer": "no"})
+    assert not message.get("tool_calls")
+    assert whole["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_named_tool_choice_holds_the_call(
+    harmony_server: RunningServer, harmony: HarmonyModel
+) -> None:
+    """The script calls get_weather; the named choice makes it get_time,
+    with arguments of get_time's schema; the reasoning stays the script's."""
+    tz = {"type": "object", "properties": {"tz": {"enum": ["UTC"]}}, "required": ["tz"],
+          "additionalProperties": False}  # fmt: skip
+    body = {
+        **_chat_body(harmony_server, harmony, "preamble_call"),
+        "tools": [
+            CHAT_TOOLS[0],
+            {"type": "function", "function": {"name": "get_time", "parameters": tz}},
+        ],
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        "max_tokens": 80,
+    }
+    whole = _post(harmony_server, "/chat/completions", body)
+    choice = whole["choices"][0]
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in choice["message"]["tool_calls"]]  # fmt: skip
+    assert calls == [("get_time", {"tz": "UTC"})]
+    assert choice["message"]["reasoning_content"] == "Need weather."
+    assert choice["finish_reason"] == "tool_calls"
