@@ -19,7 +19,9 @@ from typing import Any
 
 import anthropic
 import httpx
+import openai
 import pytest
+from tokenizers import Tokenizer
 
 from sluiceway.engines.default_model import default_cache_dir
 from tests.e2e import responses_wire as wire
@@ -369,3 +371,76 @@ def test_a_named_tool_choice_holds_the_call(
     assert calls == [("get_time", {"tz": "UTC"})]
     assert choice["message"]["reasoning_content"] == "Need weather."
     assert choice["finish_reason"] == "tool_calls"
+
+
+def test_a_chat_tool_loop_over_two_turns(
+    harmony_server: RunningServer, harmony: HarmonyModel
+) -> None:
+    """The call's turn goes back (reasoning, preamble, call, result) and the
+    next turn answers; the template renders the earlier turn in harmony."""
+    first = _post(
+        harmony_server, "/chat/completions", _chat_body(harmony_server, harmony, "preamble_call")
+    )
+    message = first["choices"][0]["message"]
+    (call,) = message["tool_calls"]
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": message["content"], "tool_calls": [call],
+         "reasoning_content": message["reasoning_content"]},
+        {"role": "tool", "tool_call_id": call["id"], "name": "get_weather", "content": "sunny"},
+    ]  # fmt: skip
+    body = {**_chat_body(harmony_server, harmony, "after_tool"), "messages": history}
+    tokenized = httpx.post(
+        harmony_server.base_url + "/tokenize",
+        json={"model": harmony_server.model, **_only(body)},
+        timeout=60,
+    )
+    assert tokenized.status_code == 200, tokenized.text
+    tokenizer = Tokenizer.from_file(str(harmony.path / "tokenizer.json"))
+    text = tokenizer.decode(tokenized.json()["tokens"], skip_special_tokens=False)
+    assert (
+        "<|channel|>analysis<|message|>Need weather.<|end|>"
+        "<|start|>assistant<|channel|>commentary<|message|>Checking Paris.<|end|>"
+        '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny<|end|>"
+    ) in text
+    second = _post(harmony_server, "/chat/completions", body)
+    reply = second["choices"][0]
+    assert (reply["message"]["reasoning_content"], reply["message"]["content"]) == (
+        "Got it.",
+        "It is sunny.",
+    )
+    assert reply["finish_reason"] == "stop"
+
+
+def _only(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: body[k] for k in ("messages", "tools", "chat_template_kwargs")}
+
+
+def test_the_openai_sdk_streams_a_responses_tool_loop(
+    harmony_server: RunningServer, harmony: HarmonyModel
+) -> None:
+    tools: list[Any] = [
+        {"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": False}
+    ]
+    with openai.OpenAI(base_url=harmony_server.api_url, api_key="unused", max_retries=0) as sdk:
+
+        def turn(items: list[Any], script: str) -> Any:
+            extra = {"chat_template_kwargs": harmony.chat_kwargs(script), "temperature": 0}
+            with sdk.responses.stream(
+                model=harmony_server.model, input=items, tools=tools, extra_body=extra
+            ) as stream:
+                kinds = [event.type for event in stream]
+                assert kinds[-1] == "response.completed"
+                return stream.get_final_response()
+
+        asked: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+        first = turn(asked, "preamble_call")
+        assert [item.type for item in first.output] == ["reasoning", "message", "function_call"]
+        call = first.output[-1]
+        assert (call.name, json.loads(call.arguments)) == PARIS
+        result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+        done = [item.model_dump(exclude_none=True) for item in first.output]
+        second = turn([*asked, *done, result], "after_tool")
+    assert [item.type for item in second.output] == ["reasoning", "message"]
+    assert second.output_text == "It is sunny."
