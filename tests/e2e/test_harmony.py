@@ -38,6 +38,9 @@ from tests.fixtures.harmony_model import (
 )
 from tests.fixtures.scripted_model import Script
 
+#: Training the fixture model (on a cold cache) takes minutes on a busy 2-core host.
+pytestmark = pytest.mark.timeout(1200)
+
 SETUPS = [
     pytest.param(("asyncio", "transformers"), id="asyncio-transformers"),
     pytest.param(("trio", "mlx"), id="trio-mlx"),

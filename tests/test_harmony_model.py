@@ -1,0 +1,51 @@
+"""The harmony fixture model (tests/fixtures/harmony_model.py): its build is
+deterministic (a fresh build equals the cached one, weights and all), and
+every script decodes greedily from prompts of the harmony template in both
+engines' terms (checked end to end in tests/e2e/test_harmony.py)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from sluiceway.engines.default_model import default_cache_dir
+from sluiceway.engines.tokenizer import ModelTokenizer
+from sluiceway.parsers.harmony import HarmonyTokens, Marker
+from tests.fixtures.harmony_model import (
+    HARMONY_SCRIPTS,
+    MARKERS,
+    build_harmony_model,
+    cached_harmony_model,
+)
+
+#: Training takes minutes on a busy 2-core host.
+pytestmark = pytest.mark.timeout(1200)
+
+FILES = ("model.safetensors", "tokenizer.json", "config.json", "generation_config.json")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_building_twice_gives_the_same_model(tmp_path: Path) -> None:
+    cached = cached_harmony_model(default_cache_dir() / "test-models", HARMONY_SCRIPTS)
+    fresh = build_harmony_model(tmp_path / "again", HARMONY_SCRIPTS)
+    assert {f: _digest(fresh.path / f) for f in FILES} == {
+        f: _digest(cached.path / f) for f in FILES
+    }
+    assert dict(fresh.piece_ids) == dict(cached.piece_ids)
+
+
+def test_the_markers_are_special_tokens_found_by_name() -> None:
+    model = cached_harmony_model(default_cache_dir() / "test-models", HARMONY_SCRIPTS)
+    tokenizer = ModelTokenizer(model.path, 512)
+    found = HarmonyTokens.of(tokenizer.table)
+    assert {marker.value: found.id_of(marker) for marker in Marker} == dict(model.marker_ids)
+    assert all(model.marker_ids[m] in tokenizer.table.hidden for m in MARKERS)
+    # <|call|> and <|return|> end generation; <|end|> does not.
+    ends = {model.marker_ids["<|call|>"], model.marker_ids["<|return|>"]}
+    assert ends <= tokenizer.eos_ids
+    assert model.marker_ids["<|end|>"] not in tokenizer.eos_ids
