@@ -447,3 +447,27 @@ def test_the_openai_sdk_streams_a_responses_tool_loop(
         second = turn([*asked, *done, result], "after_tool")
     assert [item.type for item in second.output] == ["reasoning", "message"]
     assert second.output_text == "It is sunny."
+
+
+def test_the_exact_token_path_keeps_a_harmony_turns_ids(
+    harmony_server: RunningServer, harmony: HarmonyModel
+) -> None:
+    """A tool call's turn sent back with its ids: the next prompt starts with
+    that turn's prompt and generated ids (reasoning, preamble and markers
+    included), whatever the template would render, and the loop goes on."""
+    first = _post(
+        harmony_server, "/chat/completions", _chat_body(harmony_server, harmony, "preamble_call")
+    )
+    choice = first["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    kept = first["prompt_token_ids"] + choice["token_ids"]
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": choice["message"]["content"], "tool_calls": [call],
+         "prompt_token_ids": first["prompt_token_ids"], "generation_token_ids": choice["token_ids"]},
+        {"role": "tool", "tool_call_id": call["id"], "name": "get_weather", "content": "sunny"},
+    ]  # fmt: skip
+    body = {**_chat_body(harmony_server, harmony, "after_tool"), "messages": history}
+    second = _post(harmony_server, "/chat/completions", body)
+    assert second["prompt_token_ids"][: len(kept)] == kept
+    assert second["choices"][0]["message"]["content"] == "It is sunny."
