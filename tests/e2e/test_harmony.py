@@ -471,3 +471,38 @@ def test_the_exact_token_path_keeps_a_harmony_turns_ids(
     second = _post(harmony_server, "/chat/completions", body)
     assert second["prompt_token_ids"][: len(kept)] == kept
     assert second["choices"][0]["message"]["content"] == "It is sunny."
+
+
+@pytest.mark.parametrize("cut", [1, 2, 9, 11])
+def test_a_reply_cut_inside_a_header_ends_normally(
+    harmony_server: RunningServer, harmony: HarmonyModel, cut: int
+) -> None:
+    """``max_tokens`` inside a header: its text is content (as the docs say),
+    chat and Responses answer 200 and end their streams as usual."""
+    body = {**_chat_body(harmony_server, harmony, "analysis_final"), "max_tokens": cut}
+    whole = _post(harmony_server, "/chat/completions", body)
+    choice = whole["choices"][0]
+    header = {1: "", 2: "analysis", 9: "assistant", 11: "assistantfinal"}[cut]
+    reasoning = "The user greets." if cut > 6 else ""
+    assert (
+        choice["message"].get("reasoning_content") or "",
+        choice["message"].get("content") or "",
+    ) == (
+        reasoning,
+        header,
+    )
+    assert choice["finish_reason"] == "length"
+    streamed = _merge(_stream_chat(harmony_server, body))
+    assert (streamed["reasoning"], streamed["content"]) == (reasoning, header)
+    payload = {
+        "model": harmony_server.model,
+        "input": "hi",
+        "max_output_tokens": cut,
+        "temperature": 0,
+        "stream": True,
+        "chat_template_kwargs": harmony.chat_kwargs("analysis_final"),
+    }
+    response = httpx.post(harmony_server.api_url + "/responses", json=payload, timeout=120)
+    assert response.status_code == 200, response.text
+    events = wire.parse_sse(response.text)
+    assert wire.check_stream(events)["status"] == "incomplete"
