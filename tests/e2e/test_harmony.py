@@ -506,3 +506,35 @@ def test_a_reply_cut_inside_a_header_ends_normally(
     assert response.status_code == 200, response.text
     events = wire.parse_sse(response.text)
     assert wire.check_stream(events)["status"] == "incomplete"
+
+
+@pytest.mark.parametrize("rule", ["required", "strict"])
+def test_required_and_strict_calls_run_under_the_reply_grammar(
+    harmony_server: RunningServer, harmony: HarmonyModel, rule: str
+) -> None:
+    """``required`` (no final answer allowed) and a ``strict`` tool (its
+    schema holds the arguments): the script's call fits both, so it comes
+    out as written, through the grammar."""
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"],
+            "additionalProperties": False}  # fmt: skip
+    function: dict[str, Any] = {"name": "get_weather", "parameters": city}
+    fields: dict[str, Any] = {"tool_choice": "required"}
+    if rule == "strict":
+        function["strict"] = True
+        fields = {}
+    body = {
+        **_chat_body(harmony_server, harmony, "preamble_call"),
+        "tools": [{"type": "function", "function": function}],
+        "max_tokens": 80,
+        **fields,
+    }
+    whole = _post(harmony_server, "/chat/completions", body)
+    choice = whole["choices"][0]
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in choice["message"]["tool_calls"]]  # fmt: skip
+    assert calls == [PARIS]
+    assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == (
+        "Need weather.",
+        "Checking Paris.",
+    )
+    assert choice["finish_reason"] == "tool_calls"
