@@ -449,3 +449,27 @@ def test_stop_strings_end_the_final_channel_not_the_analysis() -> None:
     assert_contract(run)
     routed = chunk_texts(run)
     assert (routed.reasoning, routed.content, run.stopped_by) == ("a STOP b", "c ", "STOP")
+
+
+ANY_ITEM = st.one_of(
+    st.sampled_from(MARKERS),
+    st.sampled_from(["assistant", "analysis", "final", "commentary", " to=functions.f", " json",
+                     "to=", " ", "\n", "Hi", "é", "{}", "to=python"]),
+)  # fmt: skip
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(st.lists(ANY_ITEM, max_size=14), st.sampled_from([PROMPT_END, ""]), st.data())
+def test_any_sequence_of_markers_and_text_is_routed_without_error(
+    items: list[Item], prime: str, data: st.DataObject
+) -> None:
+    """Malformed output never raises and keeps the alignment contract
+    (checked in ``parse``); what it shows never exceeds the text fed."""
+    cuts = [
+        data.draw(st.lists(st.integers(1, max(1, len(i.encode()) - 1)), max_size=3))
+        for i in items
+        if isinstance(i, str)
+    ]
+    routed, _ = parse(items, cuts, prime=prime)
+    shown = routed.reasoning + routed.content + "".join(n + a for n, a in routed.call_list)
+    assert len(shown) <= sum(len(i) for i in items if isinstance(i, str))
