@@ -43,6 +43,11 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
     pool.close()
 
 
+def default_args(engine: str) -> list[str]:
+    """The flags of the default model's shared server on ``engine``."""
+    return ["--max-body-bytes", "65536", "--engine", engine]
+
+
 # Module scope over a session pool, not a parametrized session fixture: pytest
 # keeps one parameter of a session fixture alive at a time, and a file runs
 # both setups, so every file restarted both servers.
@@ -52,11 +57,7 @@ def server(
 ) -> RunningServer:
     """The default model served under Hypercorn, per worker class and engine."""
     worker_class, engine = request.param
-    return servers.get(
-        default_model,
-        worker_class=worker_class,
-        extra_args=["--max-body-bytes", "65536", "--engine", engine],
-    )
+    return servers.get(default_model, worker_class=worker_class, extra_args=default_args(engine))
 
 
 @pytest.fixture(scope="module", params=SETUPS)
