@@ -32,6 +32,13 @@ SETUPS = {"all": ALL_SETUPS, "vllm": VLLM}.get(
     os.environ.get("SLUICEWAY_TEST_SETUPS", ""), DIAGONAL
 )
 ON_VLLM = SETUPS is VLLM
+#: For a test that starts a server of its own on the default engine, to
+#: check what no engine changes (an API key, a CLI flag's surface): under
+#: ``make test-vllm`` it would repeat ``make test``, not run vLLM, at the
+#: cost of a server start (10-20 s on a loaded 2-core host) each.
+DEFAULT_ENGINE_ONLY = pytest.mark.skipif(
+    ON_VLLM, reason="runs on the default engine, not vLLM: make test runs it"
+)
 
 
 @pytest.fixture(scope="session")
