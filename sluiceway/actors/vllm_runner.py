@@ -35,6 +35,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
+from sluiceway.actors.prefix_cache import PrefixCacheStats
 from sluiceway.actors.scheduler import RESTART_ATTEMPTS, RESTART_BACKOFF_SECONDS, SchedulerConfig
 from sluiceway.actors.seam import EngineHandle
 from sluiceway.engines.vllm_engine import (
@@ -100,6 +101,10 @@ class VllmHandle(EngineHandle):
         self._logprobs_mode = logprobs_mode
         self._flights: dict[str, _Flight] = {}
         self._restarting = False
+        #: vLLM's prefix-cache figures summed over its steps (and restarts):
+        #: lookups and tokens; vLLM counts no per-request hits or evictions.
+        self._prefix = self.prefix_cache = PrefixCacheStats()
+        engine.on_stats = self._count
 
     # --- the seam -------------------------------------------------------------
 
@@ -285,6 +290,20 @@ class VllmHandle(EngineHandle):
             self._publish()
             if not self._restarting and not self._engine.alive:
                 self._lost()
+
+    def _count(self, scheduler: Any, iteration: Any) -> None:
+        """Add one record of vLLM's figures: its prefix-cache lookups (a
+        preempted request's lookup again is counted apart, and left out as
+        vLLM's own counters leave it), and the time each finished request
+        spent in vLLM's waiting queue (which our bounded queue feeds at once)."""
+        step = None if scheduler is None else scheduler.prefix_cache_stats
+        if step is not None:
+            self._prefix.lookups += int(step.requests)
+            self._prefix.looked_up_tokens += int(step.queries)
+            self._prefix.hit_tokens += int(step.hits)
+        if iteration is not None and self._config.on_admitted is not None:
+            for finished in iteration.finished_requests:
+                self._config.on_admitted(float(finished.queued_time))
 
     def _publish(self) -> None:
         flights = self._flights.values()

@@ -134,6 +134,8 @@ def test_a_stop_string_aborts_the_vllm_request(vllm_server: RunningServer) -> No
 
 
 def test_its_prefix_cache_shows_as_cached_tokens(vllm_server: RunningServer) -> None:
+    hits = metric(vllm_server, "vllm:prefix_cache_hits_total")
+    queued = metric(vllm_server, "vllm:request_queue_time_seconds_count")
     long = [{"role": "user", "content": "tell me a story about rivers and sluices " * 12}]
     first = httpx.post(
         vllm_server.api_url + "/chat/completions",
@@ -148,6 +150,16 @@ def test_its_prefix_cache_shows_as_cached_tokens(vllm_server: RunningServer) -> 
     cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert 0 < cached < again["usage"]["prompt_tokens"]
     assert first["usage"]["prompt_tokens"] == again["usage"]["prompt_tokens"]
+    # vLLM's own figures, summed from its steps (which may come after the
+    # reply): the reuse in its prefix-cache counter, both requests' queue times.
+    wait_for(
+        lambda: (
+            metric(vllm_server, "vllm:prefix_cache_hits_total") >= hits + cached
+            and metric(vllm_server, "vllm:request_queue_time_seconds_count") >= queued + 2
+        ),
+        30,
+        "vLLM's prefix-cache and queue-time figures on /metrics",
+    )
 
 
 @pytest.mark.parametrize(
