@@ -161,7 +161,7 @@ VLLM_LOCK := requirements-vllm.lock
 VLLM_OVERRIDES := requirements-vllm-overrides.txt
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PIP := $(VLLM_VENV)/bin/python -m pip --disable-pip-version-check
-VLLM_UV := $(VLLM_VENV)/bin/uv pip --quiet --python $(VLLM_VENV)/bin/python
+VLLM_UV_INSTALL := $(VLLM_VENV)/bin/uv pip install --quiet --python $(VLLM_VENV)/bin/python
 VLLM_TESTS ?= tests/unit/test_vllm_mapping.py tests/e2e/test_vllm.py tests/e2e/test_chat.py \
 	tests/e2e/test_tokens.py tests/e2e/test_responses.py tests/e2e/test_anthropic.py \
 	tests/e2e/test_logprobs.py tests/e2e/test_multiturn.py tests/e2e/test_stops.py \
@@ -170,9 +170,9 @@ VLLM_TESTS ?= tests/unit/test_vllm_mapping.py tests/e2e/test_vllm.py tests/e2e/t
 $(VLLM_STAMP): pyproject.toml Makefile $(VLLM_LOCK)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) install --quiet -c $(LOCK) uv
-	$(VLLM_UV) install --no-deps --compile-bytecode \
+	$(VLLM_UV_INSTALL) --no-deps --compile-bytecode \
 		$(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) -r $(VLLM_LOCK)
-	$(VLLM_UV) install --no-deps --no-build-isolation -e .
+	$(VLLM_UV_INSTALL) --no-deps --no-build-isolation -e .
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
