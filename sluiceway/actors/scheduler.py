@@ -55,14 +55,13 @@ from sluiceway.actors.engine_work import (
     StepPlan,
     release_memory,
 )
-from sluiceway.actors.prefix_cache import PrefixCacheStats
 from sluiceway.actors.run_ahead import SteppingThread
 from sluiceway.actors.sampling import Draw
 from sluiceway.actors.scheduler_core import Batch, CloseOutput, SchedulerCore, with_draws
 from sluiceway.actors.scheduler_core import SchedulerConfig as SchedulerConfig
+from sluiceway.actors.seam import EngineHandle
 from sluiceway.engines.base import Engine
 from sluiceway.engines.grammar import Bitmask
-from sluiceway.protocol.errors import Overloaded, ServiceUnavailable
 from sluiceway.protocol.messages import (
     Backlog,
     Cancel,
@@ -127,33 +126,18 @@ class Restartable(Protocol):
         ...
 
 
-class SchedulerHandle:
-    """What the server holds: submit, cancel, and the scheduler's counters
-    (an ``sluiceway.actors.seam.EngineHandle``)."""
+class SchedulerHandle(EngineHandle):
+    """What the server holds: submit, cancel, and the scheduler's counters.
+    ``queued`` counts the requests in the inbox or the queue, not yet admitted;
+    ``cached_tokens`` the running rows' prompt and generated tokens."""
 
     def __init__(
         self, inbox: MemoryObjectSendStream[SchedulerCommand], config: SchedulerConfig
     ) -> None:
+        super().__init__(config.max_queued_requests)
         self._inbox = inbox
-        self._config = config
-        #: Requests submitted and not yet admitted (in the inbox or the queue).
-        self.queued = 0
-        self.running_requests = 0
-        self.running_rows = 0
         #: Rows not reserved by a running or prefilling request, as of the last step.
         self.free_rows = config.max_num_seqs
-        #: Tokens held in the running rows' KV caches (prompt and generated).
-        self.cached_tokens = 0
-        #: None: the most the KV caches hold is every row at full context.
-        self.kv_capacity_tokens: int | None = None
-        #: Requests whose reader is too far behind (their rows wait).
-        self.paused_requests = 0
-        #: False while the engine is lost (being restarted, or given up on).
-        self.engine_available = True
-        #: Why new requests are refused (the server draining), if they are.
-        self.refusal: str | None = None
-        #: The prefix cache's counters, when it is on.
-        self.prefix_cache: PrefixCacheStats | None = None
 
     def submit(
         self,
@@ -162,14 +146,8 @@ class SchedulerHandle:
         *,
         backlog: Backlog | None = None,
     ) -> None:
-        if self.refusal is not None:
-            raise ServiceUnavailable(self.refusal)
-        if not self.engine_available:
-            raise ServiceUnavailable("the engine is restarting; retry shortly")
         # Requests that free rows will take at once do not count as waiting.
-        waiting = self.queued - self.free_rows
-        if waiting >= self._config.max_queued_requests:
-            raise Overloaded(f"the server has {waiting} requests waiting, its limit; retry shortly")
+        self.admit(self.queued - self.free_rows)
         self.queued += 1
         self._inbox.send_nowait(Submit(request=request, output=output, backlog=backlog))
 

@@ -37,6 +37,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from sluiceway.actors.prefix_cache import PrefixCacheStats
 from sluiceway.actors.scheduler import RESTART_ATTEMPTS, RESTART_BACKOFF_SECONDS, SchedulerConfig
+from sluiceway.actors.seam import EngineHandle
 from sluiceway.engines.vllm_engine import (
     VllmEngine,
     lark_grammar,
@@ -44,7 +45,7 @@ from sluiceway.engines.vllm_engine import (
     sampling_fields,
     token_samples,
 )
-from sluiceway.protocol.errors import InvalidRequest, Overloaded, ServiceUnavailable
+from sluiceway.protocol.errors import InvalidRequest
 from sluiceway.protocol.messages import (
     Backlog,
     FailureCause,
@@ -80,9 +81,10 @@ class _Flight:
     submitted: float = field(default_factory=time.monotonic)
 
 
-class VllmHandle:
-    """What the server holds when vLLM runs the engine
-    (a :class:`sluiceway.actors.seam.EngineHandle`)."""
+class VllmHandle(EngineHandle):
+    """What the server holds when vLLM runs the engine. Its figures are
+    vLLM's, refreshed by the watcher; vLLM keeps its own prefix cache, whose
+    hits show as ``cached_tokens`` (``prefix_cache`` stays None)."""
 
     def __init__(
         self,
@@ -92,23 +94,17 @@ class VllmHandle:
         *,
         logprobs_mode: str = "raw",
     ) -> None:
+        super().__init__(config.max_queued_requests, kv_capacity_tokens=engine.kv_capacity_tokens)
         self._engine = engine
         self._config = config
         self._group = group
         self._logprobs_mode = logprobs_mode
         self._flights: dict[str, _Flight] = {}
-        self._closed = False
         self._restarting = False
-        self.queued = 0
-        self.running_requests = 0
-        self.running_rows = 0
-        self.cached_tokens = 0
-        self.kv_capacity_tokens: int | None = engine.kv_capacity_tokens
-        self.paused_requests = 0
-        self.engine_available = True
-        self.refusal: str | None = None
-        #: vLLM keeps its own prefix cache; its hits show as ``cached_tokens``.
-        self.prefix_cache: PrefixCacheStats | None = None
+        #: vLLM's prefix-cache figures summed over its steps (and restarts):
+        #: lookups and tokens; vLLM counts no per-request hits or evictions.
+        self._prefix = self.prefix_cache = PrefixCacheStats()
+        engine.on_stats = self._count
 
     # --- the seam -------------------------------------------------------------
 
@@ -119,15 +115,7 @@ class VllmHandle:
         *,
         backlog: Backlog | None = None,
     ) -> None:
-        if self.refusal is not None:
-            raise ServiceUnavailable(self.refusal)
-        if self._closed:
-            raise ServiceUnavailable("the server is shutting down")
-        if not self.engine_available:
-            raise ServiceUnavailable("the engine is restarting; retry shortly")
-        waiting = len(self._flights) - self._config.max_num_seqs
-        if waiting >= self._config.max_queued_requests:
-            raise Overloaded(f"the server has {waiting} requests waiting, its limit; retry shortly")
+        self.admit(len(self._flights) - self._config.max_num_seqs)
         params = [self._params(request, choice) for choice in range(request.n)]
         flight = _Flight(request=request, output=output, backlog=backlog, params=params)
         self._flights[request.request_id] = flight
@@ -150,7 +138,8 @@ class VllmHandle:
             flight.choices[choice].cancel()
 
     def close(self) -> None:
-        self._closed = True
+        if self.refusal is None:
+            self.refusal = "the server is shutting down"
 
     # --- requests -------------------------------------------------------------
 
@@ -301,6 +290,20 @@ class VllmHandle:
             self._publish()
             if not self._restarting and not self._engine.alive:
                 self._lost()
+
+    def _count(self, scheduler: Any, iteration: Any) -> None:
+        """Add one record of vLLM's figures: its prefix-cache lookups (a
+        preempted request's lookup again is counted apart, and left out as
+        vLLM's own counters leave it), and the time each finished request
+        spent in vLLM's waiting queue (which our bounded queue feeds at once)."""
+        step = None if scheduler is None else scheduler.prefix_cache_stats
+        if step is not None:
+            self._prefix.lookups += int(step.requests)
+            self._prefix.looked_up_tokens += int(step.queries)
+            self._prefix.hit_tokens += int(step.hits)
+        if iteration is not None and self._config.on_admitted is not None:
+            for finished in iteration.finished_requests:
+                self._config.on_admitted(float(finished.queued_time))
 
     def _publish(self) -> None:
         flights = self._flights.values()

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -422,6 +422,9 @@ class VllmEngine:
         self._device = device
         #: The stats logger's latest figures (``actors.vllm_runner`` reads them).
         self.stats: Any = None
+        #: Given every record vLLM's stats logger gets: its scheduler's and its
+        #: iteration's figures (either may be None), to sum what comes per step.
+        self.on_stats: Callable[[Any, Any], None] | None = None
         self.llm: Any = None
         self.info = self._start()
 
@@ -475,6 +478,8 @@ class VllmEngine:
             ) -> None:
                 if scheduler_stats is not None:
                     engine.stats = scheduler_stats
+                if engine.on_stats is not None:
+                    engine.on_stats(scheduler_stats, iteration_stats)
 
             def log_engine_initialized(self) -> None:
                 pass

@@ -88,6 +88,11 @@ class _LoadCollector:
         family.add_metric([self._model], value)
         return family
 
+    def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, documentation, labels=["model_name"])
+        family.add_metric([self._model], value)
+        return family
+
     def _gauges(self, load: LoadSnapshot) -> Iterator[Metric]:
         yield self._gauge(
             "vllm:num_requests_running",
@@ -121,26 +126,23 @@ class _LoadCollector:
         )
 
     def _prefix(self, stats: PrefixCacheStats) -> Iterator[Metric]:
-        for name, documentation, value in (
-            (
-                "vllm:prefix_cache_queries",
-                "Prompt tokens looked up in the prefix cache.",
-                stats.looked_up_tokens,
-            ),
-            (
-                "vllm:prefix_cache_hits",
-                "Prompt tokens found in the prefix cache (not prefilled again).",
-                stats.hit_tokens,
-            ),
-            (
-                "sluiceway:prefix_cache_evicted_tokens",
-                "Tokens evicted from the prefix cache to make room.",
-                stats.evicted_tokens,
-            ),
-        ):
-            family = CounterMetricFamily(name, documentation, labels=["model_name"])
-            family.add_metric([self._model], value)
-            yield family
+        yield self._counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.looked_up_tokens,
+        )
+        yield self._counter(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (not prefilled again).",
+            stats.hit_tokens,
+        )
+        if not stats.capacity_bytes:
+            return  # vLLM's own cache (--engine vllm): no evictions or bytes counted
+        yield self._counter(
+            "sluiceway:prefix_cache_evicted_tokens",
+            "Tokens evicted from the prefix cache to make room.",
+            stats.evicted_tokens,
+        )
         yield self._gauge(
             "sluiceway:prefix_cache_bytes", "Bytes of KV held by the prefix cache.", stats.bytes
         )

@@ -32,6 +32,13 @@ SETUPS = {"all": ALL_SETUPS, "vllm": VLLM}.get(
     os.environ.get("SLUICEWAY_TEST_SETUPS", ""), DIAGONAL
 )
 ON_VLLM = SETUPS is VLLM
+#: For a test that starts a server of its own on the default engine, to
+#: check what no engine changes (an API key, a CLI flag's surface): under
+#: ``make test-vllm`` it would repeat ``make test``, not run vLLM, at the
+#: cost of a server start (10-20 s on a loaded 2-core host) each.
+DEFAULT_ENGINE_ONLY = pytest.mark.skipif(
+    ON_VLLM, reason="runs on the default engine, not vLLM: make test runs it"
+)
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +50,11 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
     pool.close()
 
 
+def default_args(engine: str) -> list[str]:
+    """The flags of the default model's shared server on ``engine``."""
+    return ["--max-body-bytes", "65536", "--engine", engine]
+
+
 # Module scope over a session pool, not a parametrized session fixture: pytest
 # keeps one parameter of a session fixture alive at a time, and a file runs
 # both setups, so every file restarted both servers.
@@ -52,11 +64,7 @@ def server(
 ) -> RunningServer:
     """The default model served under Hypercorn, per worker class and engine."""
     worker_class, engine = request.param
-    return servers.get(
-        default_model,
-        worker_class=worker_class,
-        extra_args=["--max-body-bytes", "65536", "--engine", engine],
-    )
+    return servers.get(default_model, worker_class=worker_class, extra_args=default_args(engine))
 
 
 @pytest.fixture(scope="module", params=SETUPS)

@@ -24,8 +24,15 @@ VLLM_STARTUP_SECONDS = 600
 #: float32 as the reference forward passes (vLLM's auto serves a float32
 #: checkpoint in bfloat16 on a CPU), and no compilation (it only lengthens
 #: the start); its CPU backend needs a KV-cache size and no thread binding
-#: on a small shared host.
-VLLM_FLAGS = ("--enforce-eager", "--dtype", "float32")
+#: on a small shared host. Its request log says when it aborts a request,
+#: which tests/e2e/test_vllm.py counts on the shared server.
+VLLM_FLAGS = (
+    "--enforce-eager",
+    "--dtype",
+    "float32",
+    "--vllm-engine-args",
+    '{"enable_log_requests": true}',
+)
 VLLM_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 #: vLLM's imports warn of deprecations of their own dependencies, which the
 #: -W error of SERVER_COMMAND would turn into a failed start.

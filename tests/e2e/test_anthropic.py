@@ -19,6 +19,7 @@ from httpx_sse import connect_sse
 from pydantic import TypeAdapter
 
 from tests.e2e import anthropic_schemas as schemas
+from tests.e2e.conftest import ALL_SETUPS, DEFAULT_ENGINE_ONLY, ON_VLLM, VLLM
 from tests.e2e.harness import (
     RunningServer,
     assert_freed_promptly,
@@ -50,9 +51,10 @@ MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "What now?"}]
 EVENTS = TypeAdapter(RawMessageStreamEvent)
 
 #: For what does not depend on the engine or the worker class (request
-#: checks, error shapes, template switches): one of the session's servers.
+#: checks, error shapes, template switches): one of the session's servers,
+#: asyncio-transformers (vLLM's under ``make test-vllm``: no other start).
 ONE_SETUP = pytest.mark.parametrize(
-    "scripted_server", [("asyncio", "transformers")], indirect=True, ids=["asyncio-transformers"]
+    "scripted_server", [VLLM[0] if ON_VLLM else ALL_SETUPS[2]], indirect=True
 )
 
 
@@ -674,6 +676,7 @@ def keyed_server(
         yield running
 
 
+@DEFAULT_ENGINE_ONLY
 def test_api_key_the_anthropic_ways(keyed_server: RunningServer, scripted: ScriptedModel) -> None:
     """``x-api-key`` (the SDK's api_key) or ``Authorization: Bearer`` (its
     auth_token); a wrong key is Anthropic's 401; ``HEAD /`` needs none."""

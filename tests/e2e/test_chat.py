@@ -15,6 +15,7 @@ import pytest
 from httpx_sse import connect_sse
 
 from tests.e2e import schemas
+from tests.e2e.conftest import DEFAULT_ENGINE_ONLY
 from tests.e2e.harness import (
     RunningServer,
     assert_freed_promptly,
@@ -310,6 +311,7 @@ def test_disconnect_while_waiting_for_a_whole_reply_frees_the_slot(server: Runni
     assert_freed_promptly(server, left=context_room(server), since=closed)
 
 
+@DEFAULT_ENGINE_ONLY
 @pytest.mark.parametrize("worker_class", ["asyncio", "trio"])
 def test_app_factory_under_the_hypercorn_command(
     default_model: Path, tmp_path: Path, worker_class: str
@@ -331,6 +333,7 @@ def test_app_factory_under_the_hypercorn_command(
         running.stop()
 
 
+@DEFAULT_ENGINE_ONLY
 def test_api_key_is_read_the_openai_way(default_model: Path, tmp_path: Path) -> None:
     """With ``--api-key``, the OpenAI routes take ``Authorization: Bearer``
     (the OpenAI SDK's way); /health needs none; errors keep OpenAI's shape."""

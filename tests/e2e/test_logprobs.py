@@ -14,6 +14,7 @@ import torch
 from httpx_sse import connect_sse
 
 from tests.e2e import schemas
+from tests.e2e.conftest import DEFAULT_ENGINE_ONLY
 from tests.e2e.harness import RunningServer, serving
 from tests.fixtures.scripted_model import ScriptedModel
 
@@ -343,6 +344,9 @@ def processed_server(
         yield running
 
 
+# On vLLM, processed mode's mapping is unit-tested (test_vllm_mapping.py): an
+# end-to-end run would need a vLLM server of its own, a minute's start.
+@DEFAULT_ENGINE_ONLY
 def test_processed_mode_reports_the_sampled_distribution(
     processed_server: RunningServer, reference: Any
 ) -> None:
@@ -373,6 +377,7 @@ def test_processed_mode_reports_the_sampled_distribution(
         assert abs(sum(np.exp(finite)) - 1.0) < 1e-4
 
 
+@DEFAULT_ENGINE_ONLY
 def test_server_cap_on_top_logprobs(processed_server: RunningServer) -> None:
     body = {
         "model": processed_server.model,

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.e2e import schemas
+from tests.e2e.conftest import DEFAULT_ENGINE_ONLY
 from tests.e2e.harness import RunningServer, serving
 from tests.fixtures.scripted_model import ScriptedModel
 
@@ -275,6 +276,7 @@ def defaults_server(
         yield running
 
 
+@DEFAULT_ENGINE_ONLY
 def test_default_template_kwargs_apply_and_a_request_overrides_them(
     defaults_server: RunningServer, scripted: ScriptedModel
 ) -> None:

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.e2e import schemas
+from tests.e2e.conftest import DEFAULT_ENGINE_ONLY
 from tests.e2e.harness import RunningServer, same_entries, start_server
 from tests.fixtures.scripted_model import ScriptedModel
 
@@ -196,20 +197,29 @@ def reasoning_stop_server(
     running.stop()
 
 
-def test_stops_skip_reasoning_unless_asked(
-    scripted_server: RunningServer, reasoning_stop_server: RunningServer, scripted: ScriptedModel
-) -> None:
-    payload: dict[str, Any] = {
+def stop_in_reasoning(scripted: ScriptedModel) -> dict[str, Any]:
+    return {
         "messages": [{"role": "user", "content": "x"}],
         "stop": ["asks"],
         "chat_template_kwargs": scripted.chat_kwargs("reasoning"),
     }
+
+
+def test_stops_skip_reasoning(scripted_server: RunningServer, scripted: ScriptedModel) -> None:
+    payload = stop_in_reasoning(scripted)
     default = httpx.post(
         scripted_server.api_url + "/chat/completions",
         json={**payload, "model": scripted_server.model},
     ).json()["choices"][0]
     assert default["message"]["reasoning_content"] == "\nThe user asks for bold.\n"
     assert default["matched_stop"] is None
+
+
+@DEFAULT_ENGINE_ONLY
+def test_stops_in_reasoning_when_asked(
+    reasoning_stop_server: RunningServer, scripted: ScriptedModel
+) -> None:
+    payload = stop_in_reasoning(scripted)
     inside = httpx.post(
         reasoning_stop_server.api_url + "/chat/completions",
         json={**payload, "model": reasoning_stop_server.model},

@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field
 
 from tests.e2e import schemas as wire_schemas
 from tests.e2e import test_tokens as tokens
+from tests.e2e.conftest import DEFAULT_ENGINE_ONLY
 from tests.e2e.harness import RunningServer, serving
 from tests.fixtures.json_schemas import assert_valid, schemas
 from tests.fixtures.scripted_model import ScriptedModel
@@ -468,6 +469,7 @@ def limited_server(
         yield running
 
 
+@DEFAULT_ENGINE_ONLY
 def test_a_slow_schema_is_refused_at_the_limit_while_streams_flow(
     limited_server: RunningServer,
 ) -> None:
@@ -640,6 +642,7 @@ def coder_server(
         yield running
 
 
+@DEFAULT_ENGINE_ONLY
 def test_a_strict_tool_in_the_xml_form(
     coder_server: RunningServer, scripted: ScriptedModel
 ) -> None:

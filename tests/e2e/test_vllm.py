@@ -4,8 +4,11 @@ its figures on /metrics and /health, its prefix cache as ``cached_tokens``,
 the fields it cannot honour refused by name, a stop string or a client that
 goes away aborting its vLLM request, and its engine core dying mid-stream.
 
-One server of its own (its engine core is killed at the end), with vLLM's
-request log on, which says when a request is aborted."""
+On the default model's shared vLLM server (the ``server`` fixture's, started
+once for every module of the run; a start costs minutes here). The harness
+turns vLLM's request log on for every vLLM server: it says when a request is
+aborted. The engine core is killed last in the module, and the test waits
+until it serves again, so the modules after it find the server whole."""
 
 from __future__ import annotations
 
@@ -20,8 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import ON_VLLM
-from tests.e2e.harness import RunningServer, start_server
+from tests.e2e.conftest import ON_VLLM, default_args
+from tests.e2e.harness import RunningServer, ServerPool
 from tests.e2e.ops import Stream, chat, children, wait_for
 
 pytestmark = [
@@ -31,19 +34,10 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def vllm_server(
-    default_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningServer]:
-    server = start_server(
-        default_model,
-        worker_class="asyncio",
-        log_dir=tmp_path_factory.mktemp("vllm"),
-        extra_args=["--engine", "vllm", "--vllm-engine-args", '{"enable_log_requests": true}'],
-    )
-    try:
-        yield server
-    finally:
-        server.stop()
+def vllm_server(default_model: Path, servers: ServerPool) -> RunningServer:
+    """The ``server`` fixture's vLLM server, without its parameters: under
+    ``make test`` this module is skipped once per test, not once per setup."""
+    return servers.get(default_model, worker_class="asyncio", extra_args=default_args("vllm"))
 
 
 def metric(server: RunningServer, name: str) -> float:
@@ -140,6 +134,8 @@ def test_a_stop_string_aborts_the_vllm_request(vllm_server: RunningServer) -> No
 
 
 def test_its_prefix_cache_shows_as_cached_tokens(vllm_server: RunningServer) -> None:
+    hits = metric(vllm_server, "vllm:prefix_cache_hits_total")
+    queued = metric(vllm_server, "vllm:request_queue_time_seconds_count")
     long = [{"role": "user", "content": "tell me a story about rivers and sluices " * 12}]
     first = httpx.post(
         vllm_server.api_url + "/chat/completions",
@@ -154,6 +150,16 @@ def test_its_prefix_cache_shows_as_cached_tokens(vllm_server: RunningServer) -> 
     cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert 0 < cached < again["usage"]["prompt_tokens"]
     assert first["usage"]["prompt_tokens"] == again["usage"]["prompt_tokens"]
+    # vLLM's own figures, summed from its steps (which may come after the
+    # reply): the reuse in its prefix-cache counter, both requests' queue times.
+    wait_for(
+        lambda: (
+            metric(vllm_server, "vllm:prefix_cache_hits_total") >= hits + cached
+            and metric(vllm_server, "vllm:request_queue_time_seconds_count") >= queued + 2
+        ),
+        30,
+        "vLLM's prefix-cache and queue-time figures on /metrics",
+    )
 
 
 @pytest.mark.parametrize(
