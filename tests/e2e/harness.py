@@ -106,7 +106,10 @@ def start_server(
     command on the app factory configured by environment."""
     port = free_port()
     log_path = log_dir / f"server-{worker_class}-{port}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # The tests compare logprobs with a float32 forward: float32 unless a test
+    # (or the caller's environment) says otherwise, since --dtype auto is
+    # bfloat16 on a CPU with AVX512-BF16 or AMX.
+    env = {"SLUICEWAY_DTYPE": "float32", **os.environ, "PYTHONUNBUFFERED": "1"}
     if _engine_of(extra_args) == "vllm":
         env = {**VLLM_ENVIRONMENT, **env}
         extra_args = (*extra_args, *VLLM_FLAGS)
