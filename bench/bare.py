@@ -6,7 +6,7 @@
   each step built from the last one's argmax still on the device and queued
   (``async_eval``) before the host reads that argmax, as mlx-lm's generator
   does (the loop read each token before building the next step until 28 Nov,
-  7-18% slower on the tiny model, ``bench/mlx_overlap.py``; the server's mlx
+  7-18% slower on the tiny model, ``bench/mlx_overlap.py`` (removed; ``git show deea191:bench/mlx_overlap.py``); the server's mlx
   engine overlaps the same way since then).
 
 With ``--sample`` each step samples its next tokens at temperature 1 instead

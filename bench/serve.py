@@ -14,14 +14,17 @@ One command builds (once, cached) the models, then for each engine:
   measurements of the bare engine at the same batch size, and the round with
   the median ratio to the bare engine is reported (all ratios are listed,
   with their mean and its standard error);
-* the **peer** on the same model, load and prompts, up at the same time as
-  ours: at concurrency 1, 4 and 16 the two take turns round by round (bare,
-  ours, bare, peer), the peer's median round by tok/s is reported, and "ahead
-  of the peer" is the median of the per-round ratios, so that the host's
-  drift over minutes does not decide it: ``mlx_lm.server`` against
-  our mlx engine, ``transformers serve --continuous-batching`` against our
-  transformers engine (run from a separate venv under /tmp, created on first
-  use, that adds FastAPI and Uvicorn to this venv's packages).
+* the **peers** on the same model, load and prompts, up at the same time as
+  ours (``bench/peers.py``): at each concurrency they take turns with ours
+  round by round (bare, ours, bare, each peer), each peer's median round by
+  tok/s is reported, and ours ÷ theirs is the median of the per-round
+  ratios, so that the host's drift over minutes does not decide it. Beside
+  our transformers engine: vLLM's own OpenAI server at its defaults and
+  forced to eager float32 (``--vllm-python``), and llama.cpp's
+  ``llama-server`` on GGUFs of the weights at f32 and Q8_0
+  (``bench/llama_peer.py``); beside our mlx engine, ``mlx_lm.server``;
+  ``--peers`` picks others (``transformers serve``, run from a venv under
+  /tmp created on first use that adds FastAPI and Uvicorn to this one's).
 
 on two models: ``large``, a ~42M-parameter random Qwen3 (compute dominates)
 and ``tiny``, the embedded default model (server overhead dominates). It
