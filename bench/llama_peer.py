@@ -155,13 +155,16 @@ def add_tokenizer(writer: Any, model: Path, config: dict[str, Any]) -> None:
 def server_command(binary: Path, gguf: Path, port: int, slots: int, context: int) -> list[str]:
     """llama-server on ``gguf`` with ``slots`` parallel sequences of ``context`` tokens each.
 
-    ``--ctx-size`` is the total over the slots in llama-server. Flash
-    attention and the defaults otherwise (threads: every core).
+    ``--ctx-size`` is the total over the slots in llama-server. Threads:
+    every core the process may run on, as our engine takes (llama.cpp's
+    default counts physical cores: the same 2 on this host); its defaults otherwise.
     """
+    cores = str(len(os.sched_getaffinity(0)))
     return [
         str(binary / "llama-server"),
         *("--model", str(gguf), "--host", "127.0.0.1", "--port", str(port)),
         *("--parallel", str(slots), "--ctx-size", str(slots * context)),
+        *("--threads", cores, "--threads-batch", cores),
         *("--log-disable", "--no-webui"),
     ]
 
