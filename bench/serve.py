@@ -854,6 +854,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     probes = 10 if args.quick else 30
     steady_before = steadiness(probes)
+    load_before = os.getloadavg()
     print(f"host steadiness: {steady_before.line()}", flush=True)
     needed = prompts_per_server(settings)
     models = [make_model(key, settings, needed) for key in args.models]
@@ -908,24 +909,29 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     elapsed = time.perf_counter() - started
     steady_after = steadiness(probes)
+    load_after = os.getloadavg()
     header = (
         f"# sluiceway serving benchmark\n\n"
         f"{'Quick smoke run. ' if args.quick else ''}"
         f"Streaming `/v1/completions`, {describe_load(settings.body)}, "
         f"prompt {settings.prompt_tokens} tokens "
         f"(each request its own), max_tokens {settings.max_tokens} "
-        f"(`ignore_eos` sent to sluiceway; the peers do not take it, and their tokens are "
-        f"counted as received), concurrency {', '.join(map(str, concurrency))} with "
+        f"(`ignore_eos` sent to every server that takes it: not to mlx_lm.server or "
+        f"transformers serve, whose tokens are counted as received), concurrency {', '.join(map(str, concurrency))} with "
         f"{', '.join(f'{per_client[c]}' for c in concurrency)} requests per client per round"
         f"{f' (client starts spread over {settings.stagger:g} s)' if settings.stagger else ''}, "
         f"after a warm-up. Our levels at concurrency "
         f"{', '.join(str(c) for c in concurrency if c in BARE_BATCHES)} ran "
-        f"{settings.paired_rounds} round(s) each, taking turns with the peer (bare engine, "
-        f"our level, bare engine, the peer's level); shown: our round with the median "
-        f"decode ÷ bare, the peer's with the median tok/s; *ahead of* the peer is the median "
+        f"{settings.paired_rounds} round(s) each, taking turns with the peers (bare engine, "
+        f"our level, bare engine, each peer's level); shown: our round with the median "
+        f"decode ÷ bare, a peer's with the median tok/s; ours ÷ a peer's is the median "
         f"of the per-round ratios. "
         f"Host: {os.cpu_count()} CPUs; {mlx_note}; Hypercorn worker "
-        f"{settings.worker_class}. Run took {elapsed / 60:.1f} min. "
+        f"{settings.worker_class}. Run took {elapsed / 60:.1f} min, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average (1, 5, 15 min) "
+        f"{' '.join(f'{x:.1f}' for x in load_before)} at the start, "
+        f"{' '.join(f'{x:.1f}' for x in load_after)} at the end. Command: "
+        f"`bench/serve.py {shlex.join(sys.argv[1:] if argv is None else argv)}`. "
         f"Host steadiness (nothing else of ours running): at the start, "
         f"{steady_before.line()}; at the end, {steady_after.line()}."
     )
