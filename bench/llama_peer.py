@@ -170,6 +170,11 @@ def server_command(
         *("--model", str(gguf), "--host", "127.0.0.1", "--port", str(port)),
         *("--parallel", str(slots), "--ctx-size", str(slots * context)),
         *("--threads", cores, "--threads-batch", cores),
+        # A quantised GGUF at the defaults died with SIGILL here (exit 132,
+        # right after the thread pool's start): the CPU backend repacks such
+        # weights for the instructions /proc/cpuinfo lists (AMX among them),
+        # which this VM does not let a process run. f32 is never repacked.
+        *(() if gguf.name.endswith("-f32.gguf") else ("--no-repack",)),
         *("--log-disable", "--no-webui"),
         *(
             ("--cache-type-k", "f32", "--cache-type-v", "f32", "--flash-attn", "off")
