@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: serve test lint typecheck check-lock browser clients pytest test-clients test-latest lock lock-upgrade test-vllm lock-vllm bench openblas mutate clean
+.PHONY: serve test lint typecheck check-lock browser clients pytest test-clients test-latest lock lock-upgrade test-vllm lock-vllm bench llama-server openblas mutate clean
 
 # The build tools come first, from the lock, so that the editable install
 # builds without fetching unlocked ones into an isolated environment.
@@ -201,8 +201,21 @@ openblas:
 		flock $(APT_LOCK) sh -c 'apt-get update && $(APT_INSTALL) libopenblas0-pthread'; \
 	fi
 
-bench: $(TORCH_STAMP) openblas
+# The serving benchmark's peers beside our transformers engine: vLLM's own
+# server (from .venv-vllm, `make test-vllm` builds it; or
+# SLUICEWAY_VLLM_PYTHON) and llama.cpp's llama-server (below).
+bench: $(TORCH_STAMP) openblas llama-server
 	$(BIN)/python bench/serve.py $(ARGS)
+
+# llama.cpp's llama-server and llama-quantize, bench-only: built once from
+# the llama.cpp sources vendored in the llama-cpp-python sdist (PyPI has no
+# Linux wheel), with cmake (apt-get installs it when missing), cached under
+# ~/.cache/sluiceway/llama.cpp-VERSION (about 30 minutes on 2 busy cores);
+# then the tiny model's GGUF (f32, Q8_0) is written and llama-server's greedy
+# tokens checked against transformers' (bench/llama_peer.py).
+llama-server: $(TORCH_STAMP)
+	PYTHON=$(BIN)/python sh scripts/build_llama_cpp.sh
+	$(BIN)/python bench/llama_peer.py --check
 
 clean:
 	rm -rf $(VENV) $(LATEST) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache mutants tests/clients/*/node_modules

@@ -6,7 +6,7 @@
   each step built from the last one's argmax still on the device and queued
   (``async_eval``) before the host reads that argmax, as mlx-lm's generator
   does (the loop read each token before building the next step until 28 Nov,
-  7-18% slower on the tiny model, ``bench/mlx_overlap.py``; the server's mlx
+  7-18% slower on the tiny model, ``bench/mlx_overlap.py`` (removed; ``git show deea191:bench/mlx_overlap.py``); the server's mlx
   engine overlaps the same way since then).
 
 With ``--sample`` each step samples its next tokens at temperature 1 instead
@@ -43,6 +43,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -54,17 +55,18 @@ def rows(batch: int, prompt: int, vocab: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(0, min(vocab, 500), prompt)] for _ in range(batch)]
 
 
-def torch_loop(model_dir: str, sample: bool) -> Callable[[int, int], Step]:
+def torch_loop(model_dir: str, sample: bool, dtype: str = "auto") -> Callable[[int, int], Step]:
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from sluiceway.engines.torch_engine import cache_keyword
+    from sluiceway.engines.torch_engine import cache_keyword, resolve_dtype
 
     if "OMP_NUM_THREADS" not in os.environ:  # as the engine does
         torch.set_num_threads(len(os.sched_getaffinity(0)))
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, local_files_only=True, dtype=torch.float32
-    )
+    # The server's dtype: ``--dtype auto`` resolves as the engine resolves it.
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    chosen = resolve_dtype(dtype, config, torch.device("cpu"))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=chosen)
     model.eval()
     vocab = int(model.config.vocab_size)
     keyword = cache_keyword(model)
@@ -138,12 +140,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--sample", action="store_true", help="sample at temperature 1")
     parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="transformers: the weights' dtype, resolved as the server's --dtype is",
+    )
+    parser.add_argument(
         "--stdin",
         action="store_true",
         help="after the batches, measure each batch size read from stdin (one per line)",
     )
     args = parser.parse_args(argv)
-    start = (torch_loop if args.engine == "transformers" else mlx_loop)(args.model, args.sample)
+    if args.engine == "transformers":
+        start = torch_loop(args.model, args.sample, args.dtype)
+    else:
+        start = mlx_loop(args.model, args.sample)
     start(1, 8)()  # warm-up: first calls allocate and pick kernels
 
     def measure(batch: int, repeats: int) -> None:

@@ -4,14 +4,10 @@ Every model here is written under ``$XDG_CACHE_HOME/sluiceway`` (or
 ``~/.cache/sluiceway``) as an ordinary Hugging Face model directory, from a
 fixed seed, so that reruns (and other benchmarks) reuse it.
 
-* :func:`parity_model` -- ~42M parameters with a small (512-entry) tokenizer:
-  the engine benchmarks feed token ids, so the tokenizer only has to exist.
-* :func:`serving_model` -- the same shape, with a byte-level BPE tokenizer that
+* :func:`serving_model` -- ~42M parameters, with a byte-level BPE tokenizer that
   covers every one of the 16,384 ids, so that any generated id decodes to
   text in every server (ours and the peers) and a text prompt tokenizes the
   same way everywhere.
-* :func:`logprobs_model` -- the same layers with Qwen3's real-sized vocabulary
-  (151,936 ids), where the cost of full-vocabulary logits shows.
 """
 
 from __future__ import annotations
@@ -47,24 +43,10 @@ DIMS = Qwen3Dims(
 )
 #: 16k keeps the model at ~40M parameters with untied embeddings (32k would be 58M).
 VOCAB = 16384
-#: Qwen3's vocabulary size.
-QWEN3_VOCAB = 151936
 
 
 def parameter_count(vocab: int, dims: Qwen3Dims = DIMS) -> int:
     return sum(int(np.prod(shape)) for shape in weight_shapes(dims, vocab).values())
-
-
-def parity_model(vocab: int = VOCAB) -> Path:
-    """The engine benchmarks' model (``bench/engine_parity.py``)."""
-    name = f"bench-qwen3-{DIMS.hidden_size}x{DIMS.num_hidden_layers}-{vocab}"
-    return _cached(name, lambda target: _write(target, train_tokenizer(512), vocab, seed=7))
-
-
-def logprobs_model() -> Path:
-    """``bench/logprobs.py``'s model: Qwen3's vocabulary size, small tokenizer."""
-    name = f"bench-logprobs-{DIMS.hidden_size}x{DIMS.num_hidden_layers}"
-    return _cached(name, lambda target: _write(target, train_tokenizer(512), QWEN3_VOCAB, seed=11))
 
 
 def serving_model(vocab: int = VOCAB) -> Path:

@@ -70,6 +70,8 @@ class ServerRun:
     client_cpu: list[float] = field(default_factory=list)
     failure: str | None = None
     note: str = ""
+    #: A peer's version, flags, and what it could not do on the same requests.
+    about: str = ""
     #: The bare engine measured right before and after each level (tokens/s
     #: and seconds per step, the mean of the two), for the levels it has a batch for.
     paired_bare: dict[int, float] = field(default_factory=dict)
@@ -113,8 +115,8 @@ class Section:
         return next((r for r in self.runs if r.server == server), None)
 
     @property
-    def peer(self) -> ServerRun | None:
-        return next((r for r in self.runs if r.server != OURS), None)
+    def peers(self) -> list[ServerRun]:
+        return [r for r in self.runs if r.server != OURS]
 
 
 def ms(seconds: float) -> str:
@@ -215,6 +217,59 @@ def ahead_by(ours: ServerRun, peer: ServerRun, concurrency: int) -> float:
     return level.throughput / other.throughput
 
 
+def ahead_line(ours: ServerRun | None, peer: ServerRun) -> str:
+    if ours is None or not peer.levels:
+        return f"ahead of {peer.server}: n/a ({peer.failure} {peer.note}".rstrip() + ")"
+    behind, speedups = [], []
+    for level in ours.levels:
+        theirs = peer.level(level.concurrency)
+        if theirs is None or not theirs.throughput:
+            continue
+        speedup = ahead_by(ours, peer, level.concurrency)
+        speedups.append(f"c={level.concurrency}: {speedup:.2f}x")
+        if speedup < 1.0:
+            behind.append(f"c={level.concurrency}")
+    return (
+        f"≥ 1.0x {peer.server} at every concurrency (tok/s): "
+        f"{verdict(not behind)} ({', '.join(speedups)})"
+        + (f"; behind at {', '.join(behind)}" if behind else "")
+    )
+
+
+def side_by_side(sections: Sequence[Section]) -> list[str]:
+    """Ours and every peer per concurrency: tok/s (ours ÷ theirs, the median
+    of the rounds' ratios) and TTFT p50."""
+    lines: list[str] = []
+    for section in sections:
+        ours, peers = section.run(OURS), [p for p in section.peers if p.levels]
+        if ours is None or not peers:
+            continue
+        names = " | ".join(f"{p.server}: tok/s (ours ÷) TTFT p50 ms" for p in peers)
+        lines += [
+            f"### Side by side: {section.engine} engine, {section.model.key} model",
+            "",
+            f"| conc | sluiceway: tok/s, TTFT p50 ms | {names} |",
+            "|--:|--:|" + "--:|" * len(peers),
+        ]
+        for level in ours.levels:
+            cells = []
+            for peer in peers:
+                theirs = peer.level(level.concurrency)
+                if theirs is None or not theirs.throughput:
+                    cells.append("-")
+                    continue
+                ratio = ahead_by(ours, peer, level.concurrency)
+                cells.append(f"{theirs.throughput:.0f} ({ratio:.2f}x) {ms(theirs.ttft(50))}")
+            lines.append(
+                f"| {level.concurrency} | {level.throughput:.0f}, {ms(level.ttft(50))} "
+                f"| {' | '.join(cells)} |"
+            )
+        lines.append("")
+        lines += [f"- {p.server}: {p.about}" for p in section.peers if p.about]
+        lines.append("")
+    return lines
+
+
 def targets(sections: Sequence[Section]) -> list[str]:
     lines = ["## Targets", ""]
     for section in sections:
@@ -232,26 +287,8 @@ def targets(sections: Sequence[Section]) -> list[str]:
                     f"{decode:.3f} {verdict(decode >= goal)} (end to end, prefill and "
                     f"TTFT included: {e2e:.3f})"
                 )
-        peer = section.peer
-        if peer is not None and ours is not None and peer.levels:
-            behind, speedups = [], []
-            for level in ours.levels:
-                theirs = peer.level(level.concurrency)
-                if theirs is None or not theirs.throughput:
-                    continue
-                speedup = ahead_by(ours, peer, level.concurrency)
-                speedups.append(f"c={level.concurrency}: {speedup:.2f}x")
-                if speedup <= 1.0:
-                    behind.append(f"c={level.concurrency}")
-            lines.append(
-                f"- {name}: ahead of {peer.server} at every concurrency (tok/s): "
-                f"{verdict(not behind)} ({', '.join(speedups)})"
-                + (f"; behind at {', '.join(behind)}" if behind else "")
-            )
-        elif peer is not None:
-            lines.append(
-                f"- {name}: ahead of {peer.server}: n/a ({peer.failure} {peer.note}".rstrip() + ")"
-            )
+        for peer in section.peers:
+            lines.append(f"- {name}: {ahead_line(ours, peer)}")
         if ours is not None:
             errors = sum(level.errors for level in ours.levels)
             failed = ours.failure is not None
@@ -350,6 +387,7 @@ def time_breakdown(sections: Sequence[Section]) -> list[str]:
 
 def render(sections: Sequence[Section], settings: Settings, header: str) -> str:
     lines = [header, ""]
+    lines += side_by_side(sections)
     for section in sections:
         lines += section_table(section, settings)
     lines += targets(sections)

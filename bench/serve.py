@@ -14,14 +14,17 @@ One command builds (once, cached) the models, then for each engine:
   measurements of the bare engine at the same batch size, and the round with
   the median ratio to the bare engine is reported (all ratios are listed,
   with their mean and its standard error);
-* the **peer** on the same model, load and prompts, up at the same time as
-  ours: at concurrency 1, 4 and 16 the two take turns round by round (bare,
-  ours, bare, peer), the peer's median round by tok/s is reported, and "ahead
-  of the peer" is the median of the per-round ratios, so that the host's
-  drift over minutes does not decide it: ``mlx_lm.server`` against
-  our mlx engine, ``transformers serve --continuous-batching`` against our
-  transformers engine (run from a separate venv under /tmp, created on first
-  use, that adds FastAPI and Uvicorn to this venv's packages).
+* the **peers** on the same model, load and prompts, up at the same time as
+  ours (``bench/peers.py``): at each concurrency they take turns with ours
+  round by round (bare, ours, bare, each peer), each peer's median round by
+  tok/s is reported, and ours ÷ theirs is the median of the per-round
+  ratios, so that the host's drift over minutes does not decide it. Beside
+  our transformers engine: vLLM's own OpenAI server at its defaults and
+  forced to eager float32 (``--vllm-python``), and llama.cpp's
+  ``llama-server`` on GGUFs of the weights at f32 and Q8_0
+  (``bench/llama_peer.py``); beside our mlx engine, ``mlx_lm.server``;
+  ``--peers`` picks others (``transformers serve``, run from a venv under
+  /tmp created on first use that adds FastAPI and Uvicorn to this one's).
 
 on two models: ``large``, a ~42M-parameter random Qwen3 (compute dominates)
 and ``tiny``, the embedded default model (server overhead dominates). It
@@ -90,9 +93,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+import llama_peer
+import peers
 from hostload import Span, steadiness, thread_ticks, wait_quiet
 from loadgen import Level, Target, prompts_of_length, run_level, wait_healthy
 from models import parameter_count, serving_model, shipped_corpus, synthetic_corpus
+from peers import PeerSetup
 from report import OURS, Model, Section, ServerRun, Settings, render
 from trace_server import summarise, thread_roles
 
@@ -118,7 +124,8 @@ BARE_BATCHES = (1, 4, 16, 64)
 #: the peers' alike. A closed-loop client keeps the server busy; so do rounds
 #: of four.
 REQUESTS_PER_CLIENT = {1: 4, 4: 2, 16: 2, 64: 1}
-PEER_OF = {"mlx": "mlx_lm.server", "transformers": "transformers serve"}
+#: vLLM's interpreter, unless --vllm-python: the venv `make test-vllm` builds.
+VLLM_PYTHON = HERE.parent / ".venv-vllm" / "bin" / "python"
 #: The thread tuner's log line when it switches a batch size's thread count
 #: (``sluiceway.actors.thread_tuner``): the report lists them.
 TUNER_SWITCH = re.compile(
@@ -195,6 +202,7 @@ def server_command(
     settings: Settings,
     peer_python: str | None,
     trace: str | None,
+    setup: PeerSetup | None = None,
 ) -> list[str]:
     if server == OURS:
         launcher = (
@@ -215,6 +223,18 @@ def server_command(
             *("--decode-concurrency", str(max(settings.concurrency))),
             *("--max-tokens", str(settings.max_tokens), "--log-level", "WARNING"),
         ]
+    seqs = max(settings.concurrency)
+    if server in ("vllm", "vllm-eager-f32"):
+        assert setup is not None
+        assert setup.vllm_python is not None
+        eager = server == "vllm-eager-f32"
+        return peers.vllm_command(setup.vllm_python, model, port, seqs, eager_f32=eager)
+    if server.startswith("llama"):
+        assert setup is not None
+        assert setup.llama_bin is not None
+        gguf = llama_peer.gguf_of(model, "f32" if server == "llama-f32" else "Q8_0")
+        context = settings.prompt_tokens + settings.max_tokens + 64
+        return llama_peer.server_command(setup.llama_bin, gguf, port, seqs, context)
     assert peer_python is not None
     return [
         *(peer_python, "-m", "transformers.cli.transformers", "serve", str(model)),
@@ -236,13 +256,9 @@ LOADS: dict[str, dict[str, object]] = {
 def target_for(
     server: str, port: int, model: Path, body: tuple[tuple[str, object], ...] = ()
 ) -> Target:
-    url = f"http://127.0.0.1:{port}"
     if server == OURS:
-        return Target(url, str(model), extra=body)
-    if server == "mlx_lm.server":  # ignores unknown fields: ignore_eos would be silently dropped
-        return Target(url, str(model), ignore_eos=False, extra=body)
-    # transformers serve refuses unknown fields (422), and sends usage unasked.
-    return Target(url, str(model), ignore_eos=False, include_usage=False, extra=body)
+        return Target(f"http://127.0.0.1:{port}", str(model), extra=body)
+    return peers.target(server, port, model, body)
 
 
 def load_body(load: str, body: str) -> tuple[tuple[str, object], ...]:
@@ -262,6 +278,17 @@ def describe_load(body: tuple[tuple[str, object], ...]) -> str:
 # --- running ----------------------------------------------------------------
 
 
+def server_dtype(server_args: Sequence[str]) -> str:
+    """Our server's ``--dtype`` among ``--server-args`` (auto when not given):
+    the bare loop computes in the same one."""
+    for index, arg in enumerate(server_args):
+        if arg.startswith("--dtype="):
+            return arg.partition("=")[2]
+        if arg == "--dtype" and index + 1 < len(server_args):
+            return server_args[index + 1]
+    return "auto"
+
+
 class BareEngine:
     """The bare decode loop (``bench/bare.py --stdin``) in a process of its own,
     kept up through the section so that it can be measured right before and
@@ -273,6 +300,7 @@ class BareEngine:
             *("--model", str(section.model.path), "--batches", "--stdin"),
             *("--prompt", str(settings.prompt_tokens), "--tokens", str(settings.max_tokens)),
             *(["--sample"] if settings.bare_samples else []),
+            *("--dtype", server_dtype(settings.server_args)),
         ]
         self._process = subprocess.Popen(
             command,
@@ -375,7 +403,11 @@ class Server:
 
 
 def start_server(
-    server: str, section: Section, settings: Settings, peer_python: str | None
+    server: str,
+    section: Section,
+    settings: Settings,
+    peer_python: str | None,
+    setup: PeerSetup | None = None,
 ) -> Server:
     port = free_port()
     trace = None
@@ -383,7 +415,7 @@ def start_server(
         handle, trace = tempfile.mkstemp(prefix="bench-trace-", suffix=".json")
         os.close(handle)
     command = server_command(
-        server, section.engine, section.model.path, port, settings, peer_python, trace
+        server, section.engine, section.model.path, port, settings, peer_python, trace, setup
     )
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115  # closed in stop_server
         "w+", prefix=f"bench-{server.split()[0]}-", suffix=".log", delete=False
@@ -393,22 +425,39 @@ def start_server(
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env_for(section.engine, settings.openblas)
-        | (dict(settings.server_env) if server == OURS else {}),
+        | (dict(settings.server_env) if server == OURS else {})
+        | (peers.VLLM_ENVIRONMENT if server.startswith("vllm") else {}),
         cwd=tempfile.gettempdir(),
     )
     # The same prompts, in the same order, for every server.
     prompts = itertools.cycle(section.model.prompts)
     target = target_for(server, port, section.model.path, settings.body)
-    return Server(ServerRun(server), process, target, log, prompts, trace, settings.keep_logs)
+    run = ServerRun(peers.label(server), about=describe_peer(server, command, setup))
+    return Server(run, process, target, log, prompts, trace, settings.keep_logs)
+
+
+def describe_peer(server: str, command: list[str], setup: PeerSetup | None) -> str:
+    """A peer's version and flags for the report (ours: nothing)."""
+    if server == OURS or setup is None:
+        return ""
+    if server.startswith("vllm") and setup.vllm_python:
+        return f"{peers.vllm_version(setup.vllm_python)}, `{peers.flags_of(command, 3)}`"
+    if server.startswith("llama"):
+        return f"{setup.llama_version}, `{peers.flags_of(command, 1)}`"
+    return f"`{peers.flags_of(command, 1)}`"
 
 
 def warm_up_server(server: Server, settings: Settings) -> None:
     try:
         alive = server.process.poll
-        asyncio.run(wait_healthy(server.target.base_url, 600, lambda: alive() is None))
+        asyncio.run(wait_healthy(server.target.base_url, 1200, lambda: alive() is None))
         asyncio.run(warm_up(server.target, server.prompts, settings))
     except (RuntimeError, TimeoutError, OSError) as error:
         server.fail(error)
+        return
+    if server.run.server != OURS:
+        found = peers.probe(server.target, next(server.prompts))
+        server.run.about = f"{server.run.about}; {found}".lstrip("; ")
 
 
 def stop_server(server: Server) -> None:
@@ -658,6 +707,27 @@ def prompts_per_server(settings: Settings) -> tuple[int, int]:
     return warm + measured * (1 + settings.retries), warm + measured
 
 
+def peer_setup(wanted: Sequence[str], args: argparse.Namespace) -> tuple[PeerSetup, dict[str, str]]:
+    """vLLM's interpreter and llama.cpp's binaries for the ``wanted`` peers,
+    and why a peer cannot run (by name; missing: it can)."""
+    notes: dict[str, str] = {}
+    vllm_python = args.vllm_python if Path(args.vllm_python).exists() else None
+    for name in ("vllm", "vllm-eager-f32"):
+        if name in wanted and vllm_python is None:
+            notes[name] = f"no vLLM interpreter at {args.vllm_python} (--vllm-python)"
+    llama_bin, version = None, ""
+    if any(name.startswith("llama") for name in wanted):
+        print("building llama.cpp (once; cached) ...", flush=True)
+        try:
+            llama_bin = llama_peer.build()
+            version = llama_peer.version(llama_bin)
+        except (subprocess.CalledProcessError, OSError) as error:
+            for name in wanted:
+                if name.startswith("llama"):
+                    notes[name] = f"llama.cpp did not build: {error}"
+    return PeerSetup(vllm_python, llama_bin, version), notes
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=["transformers", "mlx", "both"], default="both")
@@ -668,6 +738,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument(
         "--no-peers", action="store_true", help="only our server and the bare engine"
+    )
+    parser.add_argument(
+        "--peers",
+        nargs="+",
+        choices=[*peers.ALL_PEERS, "mlx_lm.server"],
+        default=None,
+        help="the peers beside our transformers engine (default: "
+        f"{' '.join(peers.DEFAULT_PEERS['transformers'])}); mlx's is mlx_lm.server",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default=os.environ.get("SLUICEWAY_VLLM_PYTHON", str(VLLM_PYTHON)),
+        help="the interpreter of a vLLM environment, for vLLM's own server "
+        "(default: $SLUICEWAY_VLLM_PYTHON, else .venv-vllm, which `make test-vllm` builds)",
     )
     parser.add_argument("--no-peer-setup", action="store_true", help="do not create the peer venv")
     parser.add_argument("--peers-venv", type=Path, default=PEERS_VENV)
@@ -770,12 +854,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     probes = 10 if args.quick else 30
     steady_before = steadiness(probes)
+    load_before = os.getloadavg()
     print(f"host steadiness: {steady_before.line()}", flush=True)
     needed = prompts_per_server(settings)
     models = [make_model(key, settings, needed) for key in args.models]
 
+    wanted = {
+        "transformers": tuple(p for p in args.peers if p != "mlx_lm.server")
+        if args.peers
+        else peers.DEFAULT_PEERS["transformers"],
+        "mlx": peers.DEFAULT_PEERS["mlx"],
+    }
+    setup, setup_notes = peer_setup(wanted["transformers"] if settings.peers else (), args)
     peer_python, peer_note = None, ""
-    if settings.peers and "transformers" in engines:
+    if settings.peers and "transformers serve" in wanted["transformers"]:
         peer_python, peer_note = peers_python(args.peers_venv, not args.no_peer_setup)
         if peer_python is None:
             print(f"transformers serve will not run: {peer_note}", flush=True)
@@ -794,15 +886,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"\n== {engine} engine, {model.key} model ({model.label})", flush=True)
             bare = start_bare(section, settings)
             single = start_one_thread_bare(section, settings)
-            names = [OURS]
-            if settings.peers:
-                names.append(PEER_OF[engine])
+            names = [OURS, *(wanted[engine] if settings.peers else ())]
+            setup_notes["transformers serve"] = peer_note
             servers = []
             for name in names:
-                if name == "transformers serve" and peer_python is None:
-                    section.runs.append(ServerRun(name, failure=f"not run: {peer_note}"))
+                if setup_notes.get(name):
+                    failure = f"not run: {setup_notes[name]}"
+                    section.runs.append(ServerRun(peers.label(name), failure=failure))
                     continue
-                servers.append(start_server(name, section, settings, peer_python))
+                servers.append(start_server(name, section, settings, peer_python, setup))
             try:
                 for server in servers:
                     warm_up_server(server, settings)
@@ -817,24 +909,29 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     elapsed = time.perf_counter() - started
     steady_after = steadiness(probes)
+    load_after = os.getloadavg()
     header = (
         f"# sluiceway serving benchmark\n\n"
         f"{'Quick smoke run. ' if args.quick else ''}"
         f"Streaming `/v1/completions`, {describe_load(settings.body)}, "
         f"prompt {settings.prompt_tokens} tokens "
         f"(each request its own), max_tokens {settings.max_tokens} "
-        f"(`ignore_eos` sent to sluiceway; the peers do not take it, and their tokens are "
-        f"counted as received), concurrency {', '.join(map(str, concurrency))} with "
+        f"(`ignore_eos` sent to every server that takes it: not to mlx_lm.server or "
+        f"transformers serve, whose tokens are counted as received), concurrency {', '.join(map(str, concurrency))} with "
         f"{', '.join(f'{per_client[c]}' for c in concurrency)} requests per client per round"
         f"{f' (client starts spread over {settings.stagger:g} s)' if settings.stagger else ''}, "
         f"after a warm-up. Our levels at concurrency "
         f"{', '.join(str(c) for c in concurrency if c in BARE_BATCHES)} ran "
-        f"{settings.paired_rounds} round(s) each, taking turns with the peer (bare engine, "
-        f"our level, bare engine, the peer's level); shown: our round with the median "
-        f"decode ÷ bare, the peer's with the median tok/s; *ahead of* the peer is the median "
+        f"{settings.paired_rounds} round(s) each, taking turns with the peers (bare engine, "
+        f"our level, bare engine, each peer's level); shown: our round with the median "
+        f"decode ÷ bare, a peer's with the median tok/s; ours ÷ a peer's is the median "
         f"of the per-round ratios. "
         f"Host: {os.cpu_count()} CPUs; {mlx_note}; Hypercorn worker "
-        f"{settings.worker_class}. Run took {elapsed / 60:.1f} min. "
+        f"{settings.worker_class}. Run took {elapsed / 60:.1f} min, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average (1, 5, 15 min) "
+        f"{' '.join(f'{x:.1f}' for x in load_before)} at the start, "
+        f"{' '.join(f'{x:.1f}' for x in load_after)} at the end. Command: "
+        f"`bench/serve.py {shlex.join(sys.argv[1:] if argv is None else argv)}`. "
         f"Host steadiness (nothing else of ours running): at the start, "
         f"{steady_before.line()}; at the end, {steady_after.line()}."
     )

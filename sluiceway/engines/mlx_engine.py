@@ -108,7 +108,7 @@ class MlxEngine:
         blas: OpenBlasThreads | None = None,
     ) -> None:
         """``queue_ahead=False``: :meth:`start_decode_chained` queues nothing
-        (what ``bench/mlx_overlap.py --engine`` compares against).
+        (what ``bench/mlx_overlap.py --engine`` (removed; ``git show deea191:bench/mlx_overlap.py``) compares against).
 
         ``threads`` (``--engine-threads``; 0: OpenBLAS's own count) applies
         where the CPU backend runs on OpenBLAS (:mod:`sluiceway.engines.blas`);
@@ -153,7 +153,7 @@ class MlxEngine:
         turns with OpenBLAS's own count, a tuning build read +0.04 of the
         bare loop at concurrency 16 on the tiny model and -0.08 on the large
         one, its checks' steps on the slower count costing the large model
-        about what one thread gains the tiny one (bench/pertoken-results.md,
+        about what one thread gains the tiny one (bench/pertoken-results.md as of deea191,
         "Twentieth part")."""
         found = None if on_gpu else blas or find_openblas()
         if found is None:

@@ -51,6 +51,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -99,24 +100,45 @@ DTYPES: Mapping[str, torch.dtype] = {
 def resolve_dtype(choice: str, config: Mapping[str, Any], device: torch.device) -> torch.dtype:
     """Pick the compute dtype.
 
-    ``auto`` on CUDA keeps the checkpoint's dtype (bfloat16 falls back to
-    float16 on GPUs without bfloat16). ``auto`` on the CPU is always float32: a
-    half-precision checkpoint is upcast, because float32 keeps logprobs exact
-    (sluiceway's promise) and is the one dtype every CPU runs at full speed;
-    float16 matmuls are slow on CPUs, bfloat16 ones are slow without
-    AVX512-BF16 or AMX. Where those exist, ``--dtype bfloat16`` halves memory
-    and is faster (+8% at batch 1, +21% at batch 32 on a Zen 4 EPYC).
+    ``auto`` is what vLLM picks: bfloat16 where the hardware computes it
+    natively, else float32. On CUDA that is the checkpoint's dtype, a float32
+    checkpoint downcast to bfloat16 (float16 on GPUs without bfloat16). On
+    the CPU it is bfloat16 where the CPU has AVX512-BF16 or AMX (whatever the
+    checkpoint says), else float32: float16 matmuls are slow on CPUs, and
+    bfloat16 ones are slow without those instructions. bfloat16 halves
+    memory and moves logprobs by up to ~0.1 (``docs/engines.md``);
+    ``--dtype float32`` keeps them exact.
     """
     if choice != "auto":
         if choice not in DTYPES:
             raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}, not {choice!r}")
         return DTYPES[choice]
     if device.type == "cpu":
-        return torch.float32
+        return torch.bfloat16 if cpu_has_bfloat16() else torch.float32
     dtype = DTYPES.get(_config_dtype(config) or "float32", torch.float32)
+    if dtype == torch.float32:
+        dtype = torch.bfloat16
     if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         return torch.float16
     return dtype
+
+
+#: /proc/cpuinfo flags of native bfloat16 matmuls (vLLM's CPU backend asks the same).
+BFLOAT16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_bfloat16(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU computes bfloat16 natively (AVX512-BF16 or AMX), by
+    ``/proc/cpuinfo``'s flags (``cpuinfo``: its text; elsewhere: False)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return not BFLOAT16_FLAGS.isdisjoint(line.partition(":")[2].split())
+    return False
 
 
 def _config_dtype(config: Mapping[str, Any]) -> str | None:

@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         "else mlx on the CPU; vllm: vLLM's engine, from the sluiceway[vllm] extra)",
         "device": f"device of the transformers engine, one of {', '.join(DEVICES)} "
         "(auto: cuda if available)",
-        "dtype": "weights dtype of the transformers and vllm engines (auto: the checkpoint's; "
-        "vLLM's auto may serve float32 weights in bfloat16 on a CPU)",
+        "dtype": "weights dtype of the transformers and vllm engines (auto, as vLLM's: "
+        "bfloat16 on a CPU with AVX512-BF16 or AMX and on GPUs, else float32; float32 keeps "
+        "logprobs exact)",
         "engine_process": "run the engine in a child process with an interpreter (and GIL) "
         "of its own, instead of on a thread of the server's process (default: a child "
         "process on the CPU, the thread on a GPU)",

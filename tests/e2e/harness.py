@@ -33,6 +33,9 @@ VLLM_FLAGS = (
     "--vllm-engine-args",
     '{"enable_log_requests": true}',
 )
+#: What a transformers test server runs with unless its test gives a --dtype
+#: (mlx takes the checkpoint's, float32 here, and warns about the flag).
+EXACT_FLAGS = ("--dtype", "float32")
 VLLM_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 #: vLLM's imports warn of deprecations of their own dependencies, which the
 #: -W error of SERVER_COMMAND would turn into a failed start.
@@ -113,11 +116,17 @@ def start_server(
     command on the app factory configured by environment."""
     port = free_port()
     log_path = log_dir / f"server-{worker_class}-{port}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # The tests compare logprobs with a float32 forward: float32 unless a test
+    # says otherwise, since --dtype auto is bfloat16 on a CPU with AVX512-BF16
+    # or AMX (the environment variable for the app factory, the flag for
+    # `sluiceway serve`).
+    env = {"SLUICEWAY_DTYPE": "float32", **os.environ, "PYTHONUNBUFFERED": "1"}
     if _engine_of(extra_args) == "vllm":
         env = {**VLLM_ENVIRONMENT, **env}
         extra_args = (*extra_args, *VLLM_FLAGS)
         launcher = VLLM_COMMAND if launcher == SERVER_COMMAND else launcher
+    elif _engine_of(extra_args) != "mlx" and not any(a.startswith("--dtype") for a in extra_args):
+        extra_args = (*extra_args, *EXACT_FLAGS)
     if through_hypercorn_cli:
         command = [
             str(Path(sys.executable).parent / "hypercorn"),

@@ -19,6 +19,7 @@ from sluiceway.engines.default_model import (
 )
 from sluiceway.engines.loader import ModelSource, resolve_model
 from sluiceway.engines.select import make_engine
+from tests.engines.helpers import exact_dtype
 
 ENGINES = ("mlx", "transformers")
 
@@ -58,6 +59,8 @@ def reference(tiny_model: ModelSource) -> Any:
 
 @pytest.fixture(params=ENGINES)
 def engine(request: pytest.FixtureRequest, tiny_model: ModelSource) -> Iterator[Engine]:
-    built = make_engine(str(request.param), tiny_model, device="auto", dtype="auto")
+    built = make_engine(
+        str(request.param), tiny_model, device="auto", dtype=exact_dtype(str(request.param))
+    )
     yield built
     built.close()

@@ -30,6 +30,7 @@ from sluiceway.protocol.messages import (
     StepOutput,
 )
 from sluiceway.server.runtime import LoadedModel, PipelineOptions, run_pipeline
+from tests.engines.helpers import exact_dtype
 
 MAX_TOKENS = 400
 PROMPT = "Answer in JSON: what is the weather like?"
@@ -111,9 +112,11 @@ def open_rig(model: Path, name: str, *, in_child: bool) -> Iterator[Rig]:
     thread = EngineThread()
     engine: Engine
     if in_child:
-        engine = ProcessEngine(EngineSpec(choice=name, source=source, device="auto", dtype="auto"))
+        engine = ProcessEngine(
+            EngineSpec(choice=name, source=source, device="auto", dtype=exact_dtype(name))
+        )
     else:
-        made = functools.partial(make_engine, name, source, device="auto", dtype="auto")
+        made = functools.partial(make_engine, name, source, device="auto", dtype=exact_dtype(name))
         engine = anyio.run(thread.run, made)
     tokenizer = ModelTokenizer(source.path, engine.info.vocab_size)
     grammars = GrammarEngine(tokenizer.hf, engine.info.vocab_size, tokenizer.eos_ids)

@@ -11,7 +11,20 @@ import numpy.typing as npt
 
 from sluiceway.engines.base import Engine
 
-LOGPROB_TOLERANCE = 1e-4
+#: Largest |logprob| difference from the float32 oracle, by the engine's
+#: compute dtype: float32 is exact up to summation order; bfloat16 keeps 8
+#: bits of mantissa, so a logprob of the tiny models moves by a few hundredths.
+LOGPROB_TOLERANCES = {"float32": 1e-4, "bfloat16": 0.1}
+LOGPROB_TOLERANCE = LOGPROB_TOLERANCES["float32"]
+
+
+def exact_dtype(engine: str) -> str:
+    """The ``--dtype`` at which ``engine`` is held to the float32 oracle:
+    float32 for transformers (whose ``auto`` is bfloat16 on a CPU with
+    AVX512-BF16 or AMX); ``auto`` for mlx, which takes the checkpoint's
+    (float32 here) and warns about any other value."""
+    return "float32" if engine == "transformers" else "auto"
+
 
 Array = npt.NDArray[np.float64]
 

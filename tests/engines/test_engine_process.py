@@ -18,7 +18,7 @@ from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.select import make_engine, process_environment
 from sluiceway.protocol.messages import LogprobParams, SamplingParams
 from tests.engines.conftest import ENGINES
-from tests.engines.helpers import greedy_alone
+from tests.engines.helpers import exact_dtype, greedy_alone
 from tests.engines.test_parity import PROMPTS
 
 STEPS = 6
@@ -26,7 +26,12 @@ STEPS = 6
 
 @pytest.fixture(scope="module", params=ENGINES)
 def in_child(request: pytest.FixtureRequest, tiny_model: ModelSource) -> Iterator[ProcessEngine]:
-    spec = EngineSpec(choice=str(request.param), source=tiny_model, device="auto", dtype="auto")
+    spec = EngineSpec(
+        choice=str(request.param),
+        source=tiny_model,
+        device="auto",
+        dtype=exact_dtype(str(request.param)),
+    )
     child = ProcessEngine(spec)
     yield child
     child.close()
@@ -35,7 +40,9 @@ def in_child(request: pytest.FixtureRequest, tiny_model: ModelSource) -> Iterato
 def test_the_child_decodes_as_the_engine_does(
     in_child: ProcessEngine, tiny_model: ModelSource
 ) -> None:
-    local = make_engine(in_child.info.name, tiny_model, device="auto", dtype="auto")
+    local = make_engine(
+        in_child.info.name, tiny_model, device="auto", dtype=exact_dtype(in_child.info.name)
+    )
     try:
         for prompt in (PROMPTS["short"], PROMPTS["long"]):
             assert greedy_alone(in_child, prompt, STEPS).tokens == (
@@ -55,7 +62,9 @@ async def test_steps_over_the_pipe_match_steps_on_a_thread(
     in_child: ProcessEngine, tiny_model: ModelSource
 ) -> None:
     """Greedy steps, served from ahead in the child, against ``execute`` in process."""
-    local = make_engine(in_child.info.name, tiny_model, device="auto", dtype="auto")
+    local = make_engine(
+        in_child.info.name, tiny_model, device="auto", dtype=exact_dtype(in_child.info.name)
+    )
     try:
         plan = StepPlan(
             prefills=(
@@ -93,7 +102,9 @@ async def test_drawn_steps_over_the_pipe_match_steps_on_a_thread(
     """Sampled rows the child draws, a prompt's two choices among them, with
     logprobs: the same picks and logprobs as ``execute`` in process, and
     only those cross the pipe."""
-    local = make_engine(in_child.info.name, tiny_model, device="auto", dtype="auto")
+    local = make_engine(
+        in_child.info.name, tiny_model, device="auto", dtype=exact_dtype(in_child.info.name)
+    )
     hot = SamplingParams(temperature=1.5)
     scored = LogprobParams(top=3)
     try:
@@ -144,7 +155,9 @@ async def test_prefix_cache_edits_ride_on_the_steps_over_the_pipe(
 ) -> None:
     """A chunk kept, a row kept from the batch, an edit that fails: the
     child's outcomes are those of the same plans run in process."""
-    local = make_engine(in_child.info.name, tiny_model, device="auto", dtype="auto")
+    local = make_engine(
+        in_child.info.name, tiny_model, device="auto", dtype=exact_dtype(in_child.info.name)
+    )
     prompt = tuple(PROMPTS["medium"])
     keep = KeepKV(entry=1, slot=3, start=0, end=len(prompt))
     plans = [
@@ -197,7 +210,7 @@ async def test_prefix_cache_edits_ride_on_the_steps_over_the_pipe(
 @pytest.mark.anyio
 async def test_a_dead_child_fails_the_step_not_the_server(tiny_model: ModelSource) -> None:
     child = ProcessEngine(
-        EngineSpec(choice="transformers", source=tiny_model, device="auto", dtype="auto")
+        EngineSpec(choice="transformers", source=tiny_model, device="auto", dtype="float32")
     )
     try:
         child._process.kill()

@@ -28,7 +28,7 @@ from sluiceway.protocol.messages import (
     StepOutput,
 )
 from tests.engines.conftest import ENGINES
-from tests.engines.helpers import LOGPROB_TOLERANCE, greedy_alone, log_softmax
+from tests.engines.helpers import LOGPROB_TOLERANCE, exact_dtype, greedy_alone, log_softmax
 from tests.engines.test_parity import PROMPTS, prompt
 from tests.unit.test_scheduler import collect, run_with, submit
 
@@ -38,7 +38,9 @@ EOS = 0  # the tiny model's vocabulary; greedy rarely lands on it, max_tokens en
 @pytest.fixture(scope="module", params=ENGINES)
 def shared(request: pytest.FixtureRequest, tiny_model: ModelSource) -> Iterator[Engine]:
     """One engine per module (hypothesis tests take no function-scoped fixtures)."""
-    built = make_engine(str(request.param), tiny_model, device="auto", dtype="auto")
+    built = make_engine(
+        str(request.param), tiny_model, device="auto", dtype=exact_dtype(str(request.param))
+    )
     yield built
     built.close()
 

@@ -12,6 +12,7 @@ from sluiceway.actors.run_ahead import SteppingThread
 from sluiceway.engines.base import DecodeResult, Engine
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.select import make_engine
+from tests.engines.helpers import exact_dtype
 from tests.engines.test_parity import PROMPTS
 
 
@@ -66,7 +67,9 @@ def test_undo_decode_keeps_a_row_that_joined_in_it(engine: Engine, tiny_model: M
 def _on_a_fresh_engine(
     engine: Engine, tiny_model: ModelSource, script: Callable[[Engine], DecodeResult]
 ) -> DecodeResult:
-    fresh = make_engine(engine.info.name, tiny_model, device="auto", dtype="auto")
+    fresh = make_engine(
+        engine.info.name, tiny_model, device="auto", dtype=exact_dtype(engine.info.name)
+    )
     try:
         return script(fresh)
     finally:
@@ -100,7 +103,9 @@ def _next_plan(plan: StepPlan, outcome: StepOutcome, step: int) -> StepPlan:
 async def test_steps_decoded_ahead_equal_steps_run_plainly(
     engine: Engine, tiny_model: ModelSource
 ) -> None:
-    plain = make_engine(engine.info.name, tiny_model, device="auto", dtype="auto")
+    plain = make_engine(
+        engine.info.name, tiny_model, device="auto", dtype=exact_dtype(engine.info.name)
+    )
     await _decode_ahead_like_plain(engine, plain)
 
 

@@ -1,5 +1,5 @@
-"""The serving benchmark's report of the one-thread bare loop and the
-thread tuner's switches (bench/serve.py, bench/report.py)."""
+"""The serving benchmark's report of the one-thread bare loop, the thread
+tuner's switches and the peers side by side (bench/serve.py, bench/report.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 
 from loadgen import Level, Sample
-from report import OURS, Model, Section, ServerRun, Settings, section_table
-from serve import TUNER_SWITCH, pair
+from report import OURS, Model, Section, ServerRun, Settings, section_table, side_by_side, targets
+from serve import TUNER_SWITCH, pair, server_dtype
 
 from sluiceway.actors.thread_tuner import ThreadTuner
 
@@ -71,3 +71,35 @@ def test_rounds_against_the_one_thread_loop_are_reported() -> None:
     assert "decode ÷ the bare loop on one torch thread, each paired round: c=16: " in text
     assert "1.000, 0.800, 1.250 (mean 1.017" in text
     assert "switches, in order: batches of 16: 1, not 2 (87% of the time per row)" in text
+
+
+def _rounds(name: str, rates: list[float], about: str = "") -> ServerRun:
+    run = ServerRun(name, about=about)
+    run.round_throughput[4] = rates
+    run.levels.append(_level(4, 4 / max(rates)))
+    return run
+
+
+def test_peers_are_side_by_side_with_the_median_of_the_rounds_ratios() -> None:
+    ours = _rounds(OURS, [100.0, 90.0, 120.0])
+    vllm = _rounds("vLLM's server", [50.0, 100.0, 100.0], about="vllm 0.32, `--dtype auto`")
+    llama = _rounds("llama-server f32", [200.0, 180.0, 100.0])
+    failed = ServerRun("llama-server Q8_0", failure="not run: llama.cpp did not build")
+    model = Model("large", Path("."), "large", ())
+    section = Section("transformers", model, runs=[ours, vllm, llama, failed])
+    text = "\n".join(side_by_side([section]))
+    # Ratios per round: 2.0, 0.9, 1.2 (median 1.2) and 0.5, 0.5, 1.2 (median 0.5).
+    assert "| 4 | 120, " in text
+    assert "| 100 (1.20x) " in text
+    assert "| 200 (0.50x) " in text
+    assert "- vLLM's server: vllm 0.32, `--dtype auto`" in text
+    goals = "\n".join(targets([section]))
+    assert "≥ 1.0x vLLM's server at every concurrency (tok/s): **met** (c=4: 1.20x)" in goals
+    assert "≥ 1.0x llama-server f32 at every concurrency (tok/s): **missed**" in goals
+    assert "ahead of llama-server Q8_0: n/a (not run: llama.cpp did not build)" in goals
+
+
+def test_the_bare_loop_takes_our_servers_dtype() -> None:
+    assert server_dtype(()) == "auto"
+    assert server_dtype(("--engine-process", "--dtype", "float32")) == "float32"
+    assert server_dtype(("--dtype=bfloat16",)) == "bfloat16"
