@@ -230,7 +230,11 @@ async def test_memory_is_given_back_once_idle_after_work_and_only_then() -> None
             await anyio.sleep(0.3)
             assert releases() == [], "not while a request runs"
             handle.cancel("a")
-        await anyio.sleep(0.5)
+        # A busy host may be slow to run the idle timer: wait for it, then
+        # check that it fired once.
+        with anyio.move_on_after(30):
+            while not releases():
+                await anyio.sleep(0.05)
         assert releases() == [()], "once idle, with no slot in use"
         await anyio.sleep(0.4)
         assert len(releases()) == 1, "not again without more work"

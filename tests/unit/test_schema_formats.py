@@ -11,6 +11,7 @@ from tests.fixtures.json_schemas import FORMATS, assert_valid
 #: Per format: a value in it, and one that is not (each a string, so that
 #: only the format can refuse it).
 SAMPLES = {
+    "date": ("2024-02-29", "2023-02-29"),
     "time": ("12:30:05Z", "25:99"),
     "date-time": ("2026-12-06T05:54:00+00:00", "2026-12-06 noon"),
     "uuid": ("9f0c5e0e-3b6a-4f39-8d2e-1f2b3c4d5e6f", "9f0c5e0e-3b6a"),
