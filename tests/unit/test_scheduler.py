@@ -232,9 +232,10 @@ async def test_memory_is_given_back_once_idle_after_work_and_only_then() -> None
             handle.cancel("a")
         # A busy host may be slow to run the idle timer: wait for it, then
         # check that it fired once.
-        with anyio.move_on_after(30):
-            while not releases():
-                await anyio.sleep(0.05)
+        for _ in range(600):  # 30 s at most
+            if releases():
+                break
+            await anyio.sleep(0.05)
         assert releases() == [()], "once idle, with no slot in use"
         await anyio.sleep(0.4)
         assert len(releases()) == 1, "not again without more work"
