@@ -3,8 +3,10 @@ OpenAPI description (required-but-nullable fields are required here too)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import httpx
 from jsonschema.exceptions import best_match
 from jsonschema.protocols import Validator
 from jsonschema.validators import validator_for
@@ -207,3 +209,16 @@ def check(instance: Any, schema: dict[str, Any]) -> None:
     error = best_match(known[1].iter_errors(instance))
     if error is not None:
         raise error
+
+
+def streamed_chat(api_url: str, payload: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    """The chunks of a streamed chat completion, each checked against
+    :data:`CHAT_CHUNK`, the stream ended by ``[DONE]``."""
+    response = httpx.post(api_url + "/chat/completions", json=payload, timeout=timeout)
+    assert response.status_code == 200, response.text
+    lines = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    for chunk in chunks:
+        check(chunk, CHAT_CHUNK)
+    return chunks

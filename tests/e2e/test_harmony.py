@@ -184,13 +184,7 @@ def test_chat_channels_whole_and_streamed(
 
 def _stream_chat(server: RunningServer, body: dict[str, Any]) -> list[dict[str, Any]]:
     payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    response = httpx.post(server.api_url + "/chat/completions", json=payload, timeout=120)
-    assert response.status_code == 200, response.text
-    lines = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    chunks = [json.loads(line) for line in lines[:-1]]
-    for chunk in chunks:
-        schemas.check(chunk, schemas.CHAT_CHUNK)
+    chunks = schemas.streamed_chat(server.api_url, payload, timeout=120)
     return [chunk for chunk in chunks if chunk["choices"]]
 
 

@@ -59,14 +59,7 @@ def stream_chunks(
         "chat_template_kwargs": scripted.chat_kwargs(script),
         **fields,
     }
-    response = httpx.post(server.api_url + "/chat/completions", json=payload, timeout=60)
-    assert response.status_code == 200, response.text
-    lines = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    chunks = [json.loads(line) for line in lines[:-1]]
-    for chunk in chunks:
-        schemas.check(chunk, schemas.CHAT_CHUNK)
-    return chunks
+    return schemas.streamed_chat(server.api_url, payload, timeout=60)
 
 
 def entries(chunk: dict[str, Any], field: str) -> list[dict[str, Any]]:
