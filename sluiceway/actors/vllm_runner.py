@@ -84,7 +84,8 @@ class _Flight:
 class VllmHandle(EngineHandle):
     """What the server holds when vLLM runs the engine. Its figures are
     vLLM's, refreshed by the watcher; vLLM keeps its own prefix cache, whose
-    hits show as ``cached_tokens`` (``prefix_cache`` stays None)."""
+    hits show as ``cached_tokens``; ``prefix_cache`` holds only the lookups
+    and hits summed from vLLM's step figures (it counts no evictions)."""
 
     def __init__(
         self,

@@ -29,16 +29,21 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def engine_child(server: RunningServer) -> int:
-    """The pid of the server's engine process (a multiprocessing spawn child)."""
+def child_running(server: RunningServer, marker: bytes, what: str) -> int:
+    """The pid of the server's child whose command line holds ``marker``."""
     for pid in children(server.process.pid):
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"spawn_main" in command:
+        if marker in command:
             return pid
-    raise AssertionError("the server has no engine process")
+    raise AssertionError(f"the server has no {what}")
+
+
+def engine_child(server: RunningServer) -> int:
+    """The pid of the server's engine process (a multiprocessing spawn child)."""
+    return child_running(server, b"spawn_main", "engine process")
 
 
 def chat(server: RunningServer, **fields: Any) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import pytest
 
 from tests.e2e.conftest import ON_VLLM, default_args
 from tests.e2e.harness import RunningServer, ServerPool
-from tests.e2e.ops import Stream, chat, children, wait_for
+from tests.e2e.ops import Stream, chat, child_running, wait_for
 
 pytestmark = [
     pytest.mark.e2e,
@@ -180,14 +180,7 @@ def test_what_vllm_cannot_honour_is_a_400_naming_it(
 
 
 def engine_core(server: RunningServer) -> int:
-    for pid in children(server.process.pid):
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"EngineCore" in command:
-            return pid
-    raise AssertionError("the server has no vLLM engine core process")
+    return child_running(server, b"EngineCore", "vLLM engine core process")
 
 
 def test_the_engine_core_killed_mid_stream(vllm_server: RunningServer) -> None:
