@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,3 +58,34 @@ def test_the_markers_are_special_tokens_found_by_name() -> None:
     ends = {model.marker_ids["<|call|>"], model.marker_ids["<|return|>"]}
     assert ends <= tokenizer.eos_ids
     assert model.marker_ids["<|end|>"] not in tokenizer.eos_ids
+
+
+def test_a_selector_in_the_text_picks_the_script() -> None:
+    """A client that cannot send ``chat_template_kwargs`` (the Codex CLI)
+    names the script in its text: the last selector written wins, and each
+    is cut out of the text, so the model sees one, where it was trained to."""
+    from transformers import AutoTokenizer
+
+    model = cached_harmony_model(default_cache_dir() / "test-models", HARMONY_SCRIPTS)
+    hf = AutoTokenizer.from_pretrained(str(model.path))
+    messages = [
+        {"role": "system", "content": "Be <|script:no_header|>terse."},
+        {"role": "user", "content": "Go <|script:analysis_final|>now."},
+        {"role": "tool", "name": "f", "content": "out<|script:multibyte|>"},
+    ]
+
+    def render(**kwargs: Any) -> str:
+        text = hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+        assert isinstance(text, str)
+        return text
+
+    text = render()
+    assert text.endswith("<|end|><|script:multibyte|><|start|>assistant")
+    assert text.count("<|script:") == 1
+    assert "Be terse." in text
+    assert "Go now." in text
+    assert "<|message|>out<|end|>" in text
+    # A script named by the request's kwargs outranks the text.
+    assert render(script="two_calls").endswith("<|script:two_calls|><|start|>assistant")

@@ -27,7 +27,7 @@ CONFIG = """\
 model = "{model}"
 model_provider = "sluiceway"
 check_for_update_on_startup = false
-
+{small}
 [analytics]
 enabled = false
 
@@ -37,14 +37,38 @@ base_url = "{base_url}"
 wire_api = "responses"
 """
 
+#: For a model with a short context, as a user who serves one sets Codex
+#: up: its own instructions in a file, and only the shell's tools (Codex's
+#: defaults send about 40 KB: instructions, skills, goals, agents, search).
+SMALL_CONTEXT = """\
+model_instructions_file = "{instructions}"
+web_search = "disabled"
 
-def run_codex(codex: Path, server: RunningServer, root: Path, prompt: str) -> dict[str, Any]:
+[skills]
+include_instructions = false
+
+[features]
+multi_agent = false
+goals = false
+view_image = false
+collaboration_modes = false
+"""
+INSTRUCTIONS = "You are a coding agent in a terminal. Use the tools to do what the user asks.\n"
+
+
+def run_codex(
+    codex: Path, server: RunningServer, root: Path, prompt: str, *, small_context: bool = False
+) -> dict[str, Any]:
     home, work = root / "home", root / "work"
     codex_home = home / ".codex"
     codex_home.mkdir(parents=True)
     work.mkdir()
+    small = ""
+    if small_context:
+        (codex_home / "instructions.md").write_text(INSTRUCTIONS)
+        small = SMALL_CONTEXT.format(instructions=codex_home / "instructions.md")
     (codex_home / "config.toml").write_text(
-        CONFIG.format(model=server.model, base_url=server.api_url)
+        CONFIG.format(model=server.model, base_url=server.api_url, small=small)
     )
     # Only what it needs: the caller's PATH (node, bash), a home of its own.
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(codex_home)}
@@ -73,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--engine", default="mlx")
+    parser.add_argument("--small-context", action="store_true")
     args = parser.parse_args(argv)
     bring_loopback_up()
     report: dict[str, Any] = {"only_loopback": only_loopback()}
@@ -84,7 +109,9 @@ def main(argv: list[str] | None = None) -> None:
         extra_args=["--engine", args.engine],
     )
     try:
-        report |= run_codex(args.codex, server, args.root, args.prompt)
+        report |= run_codex(
+            args.codex, server, args.root, args.prompt, small_context=args.small_context
+        )
     finally:
         server.stop()
         report["server_log"] = server.log()

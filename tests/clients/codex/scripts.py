@@ -11,11 +11,18 @@ it.
 
 As for the agent scripts in ``tests/e2e/scripts.py``, each script's first
 piece is the generation prompt's last token (``PROMPT_END``).
+
+The harmony scripts are the same loop in gpt-oss's format, for the trained
+model of ``tests/fixtures/harmony_model.py``: its template finds a selector
+in any message's text (the last one wins, so the tool's output outranks the
+prompt). Their words are in neither their prompt nor Codex's: a trained
+model copies text it has seen and goes off its script.
 """
 
 from __future__ import annotations
 
 from tests.e2e.scripts import PROMPT_END
+from tests.fixtures.harmony_model import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, RETURN, START
 from tests.fixtures.scripted_model import Script
 
 #: The marker the tool prints; it selects :data:`CODEX_DONE`.
@@ -47,3 +54,30 @@ CODEX_SCRIPTS = (CODEX_CALL, CODEX_DONE)
 #: Codex's first request is about 40 KB, a token per byte for this model's
 #: tokenizer outside its scripted pieces.
 MAX_POSITIONS = 65536
+
+
+HARMONY_CALL = Script(
+    "codex_call",
+    (
+        CHANNEL, "analysis", MESSAGE, "Calling", " exec", " now", ".", END,
+        START, "assistant", CHANNEL, "commentary", " to=functions.exec_command", " ", CONSTRAIN,
+        "json", MESSAGE, '{"cmd": ', '"printf %s%s', " '<|script:'", " 'codex_done|>'", '"}',
+        CALL,
+    ),
+)  # fmt: skip
+
+HARMONY_DONE = Script(
+    "codex_done",
+    (
+        CHANNEL, "analysis", MESSAGE, "Marker", " came", " back", ".", END,
+        START, "assistant", CHANNEL, "final", MESSAGE, "All", " seen", ":", " ok", ".", RETURN,
+    ),
+)  # fmt: skip
+
+HARMONY_SCRIPTS = (HARMONY_CALL, HARMONY_DONE)
+HARMONY_PROMPT = "Go ahead. <|script:codex_call|>"
+HARMONY_ANSWER = "All seen: ok."
+#: The harmony model's attention window (gpt-oss's): a Codex request is
+#: thousands of tokens, and a model this small trained on short prompts
+#: cannot find its selector in that many unless it sees only the last ones.
+HARMONY_WINDOW = 128

@@ -4,8 +4,10 @@ file) runs a tool loop over the Responses API against the server.
 ``codex exec`` gets a prompt that selects the scripted model's tool call
 (``scripts.py``); Codex runs the command, carries its output back, and the
 model answers only once that output -- which holds the next script's
-selector -- reaches it. Server and client run in a network namespace where
-only loopback exists (``tests/clients/isolated.py``).
+selector -- reaches it. The same loop runs against the harmony model
+(gpt-oss's format, ``tests/fixtures/harmony_model.py``), whose reasoning,
+call and answer travel in harmony's channels. Server and client run in a
+network namespace where only loopback exists (``tests/clients/isolated.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +22,19 @@ from typing import Any
 
 import pytest
 
-from tests.clients.codex.scripts import CODEX_SCRIPTS, DONE_SELECTOR, FINAL_ANSWER, MAX_POSITIONS
+from sluiceway.engines.default_model import default_cache_dir
+from tests.clients.codex.scripts import (
+    CODEX_SCRIPTS,
+    DONE_SELECTOR,
+    FINAL_ANSWER,
+    HARMONY_ANSWER,
+    HARMONY_PROMPT,
+    HARMONY_SCRIPTS,
+    HARMONY_WINDOW,
+    MAX_POSITIONS,
+)
 from tests.clients.isolated import isolation_command
+from tests.fixtures.harmony_model import HarmonyModel, cached_harmony_model
 from tests.fixtures.scripted_model import ScriptedModel, build_scripted_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.client]
@@ -56,6 +69,15 @@ def long_scripted(tmp_path_factory: pytest.TempPathFactory) -> ScriptedModel:
     )
 
 
+@pytest.fixture(scope="module")
+def harmony() -> HarmonyModel:
+    """The harmony model of the Codex scripts, attending over a window (the
+    transformers engine's: mlx-lm's Qwen3 has no window)."""
+    return cached_harmony_model(
+        default_cache_dir() / "test-models", HARMONY_SCRIPTS, window=HARMONY_WINDOW
+    )
+
+
 def session_items(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The items Codex recorded in its session (its rollout file)."""
     items = []
@@ -66,20 +88,23 @@ def session_items(report: dict[str, Any]) -> list[dict[str, Any]]:
     return items
 
 
-def run(codex: Path, model: ScriptedModel, root: Path) -> dict[str, Any]:
+def run(
+    codex: Path, model: Path, root: Path, *, prompt: str = PROMPT, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     command = [
         *isolation_command(),
         sys.executable,
         "-m",
         "tests.clients.codex.runner",
         "--model",
-        str(model.path),
+        str(model),
         "--codex",
         str(codex),
         "--root",
         str(root),
         "--prompt",
-        PROMPT,
+        prompt,
+        *extra,
     ]
     finished = subprocess.run(
         command, cwd=REPO, capture_output=True, timeout=RUN_SECONDS, check=False
@@ -89,10 +114,9 @@ def run(codex: Path, model: ScriptedModel, root: Path) -> dict[str, Any]:
     return report
 
 
-def test_codex_exec_runs_a_tool_loop(
-    codex: Path, long_scripted: ScriptedModel, tmp_path: Path
-) -> None:
-    report = run(codex, long_scripted, tmp_path)
+def check_loop(report: dict[str, Any], answer: str) -> list[dict[str, Any]]:
+    """Every request answered 200, Codex ran the call, carried its output
+    back and printed the answer; the session's items are returned."""
     assert report["only_loopback"]
     log = report["server_log"]
     statuses = re.findall(r'"POST /v1/responses(?:\?[^\s"]*)?(?: [^"]*)?" (\d{3})', log)
@@ -110,4 +134,42 @@ def test_codex_exec_runs_a_tool_loop(
     outputs = [item for item in items if item["type"] == "function_call_output"]
     assert [output["call_id"] for output in outputs] == [calls[0]["call_id"]]
     assert DONE_SELECTOR in outputs[0]["output"]
-    assert report["stdout"].strip().splitlines()[-1] == FINAL_ANSWER
+    assert report["stdout"].strip().splitlines()[-1] == answer
+    return items
+
+
+def test_codex_exec_runs_a_tool_loop(
+    codex: Path, long_scripted: ScriptedModel, tmp_path: Path
+) -> None:
+    check_loop(run(codex, long_scripted.path, tmp_path), FINAL_ANSWER)
+
+
+def test_codex_exec_runs_a_tool_loop_on_harmony(
+    codex: Path, harmony: HarmonyModel, tmp_path: Path
+) -> None:
+    """gpt-oss's format: the reasoning, the call (``<|constrain|>json``)
+    and the answer each come out of their channel into Codex's items. Codex
+    is set up as for a small local model (``--small-context``: about 4,300
+    prompt tokens instead of 34,500; both were run by hand), which keeps the
+    test to seconds; the long prompt is the scripted test's."""
+    report = run(
+        codex,
+        harmony.path,
+        tmp_path,
+        prompt=HARMONY_PROMPT,
+        extra=("--engine", "transformers", "--small-context"),
+    )
+    items = check_loop(report, HARMONY_ANSWER)
+    reasoning = [
+        part["text"] for item in items if item["type"] == "reasoning" for part in item["content"]
+    ]
+    assert reasoning == ["Calling exec now.", "Marker came back."]
+    said = [
+        part["text"]
+        for item in items
+        if item["type"] == "message" and item["role"] == "assistant"
+        for part in item["content"]
+    ]
+    assert said == [HARMONY_ANSWER]
+    call = next(item for item in items if item["type"] == "function_call")
+    assert json.loads(call["arguments"]) == {"cmd": "printf %s%s '<|script:' 'codex_done|>'"}
