@@ -6,12 +6,14 @@ engines' terms (checked end to end in tests/e2e/test_harmony.py)."""
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from sluiceway.engines.default_model import default_cache_dir
+from sluiceway.engines.default_model import default_cache_dir, default_model_dir
 from sluiceway.engines.tokenizer import ModelTokenizer
 from sluiceway.parsers.harmony import HarmonyTokens, Marker
 from tests.fixtures.harmony_model import (
@@ -58,6 +60,24 @@ def test_the_markers_are_special_tokens_found_by_name() -> None:
     ends = {model.marker_ids["<|call|>"], model.marker_ids["<|return|>"]}
     assert ends <= tokenizer.eos_ids
     assert model.marker_ids["<|end|>"] not in tokenizer.eos_ids
+
+
+def test_call_and_return_end_the_reply_whatever_the_generation_config(tmp_path: Path) -> None:
+    """A checkpoint whose generation_config lists only ``<|return|>`` (or no
+    end at all) still stops at ``<|call|>``: the ends come from the vocabulary."""
+    model = cached_harmony_model(default_cache_dir() / "test-models", HARMONY_SCRIPTS)
+    copy = tmp_path / "model"
+    shutil.copytree(model.path, copy)
+    ends = {model.marker_ids["<|call|>"], model.marker_ids["<|return|>"]}
+    for listed in ([model.marker_ids["<|return|>"]], []):
+        (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": listed}))
+        config = json.loads((copy / "config.json").read_text())
+        (copy / "config.json").write_text(json.dumps({**config, "eos_token_id": None}))
+        assert ends <= ModelTokenizer(copy, 512).eos_ids
+    # A vocabulary without harmony's markers keeps the ends it lists.
+    plain = default_model_dir()
+    listed = json.loads((plain / "generation_config.json").read_text())["eos_token_id"]
+    assert ModelTokenizer(plain, 2048).eos_ids == set(listed)
 
 
 def test_a_selector_in_the_text_picks_the_script() -> None:

@@ -284,4 +284,21 @@ def _eos_ids(model_dir: Path, hf: Any) -> set[int]:
             ids.add(value)
         elif isinstance(value, list):
             ids.update(int(v) for v in value)
-    return ids
+    return ids | _harmony_ends(hf)
+
+
+#: harmony's markers that end an assistant's turn: a tool call, a final answer.
+HARMONY_ENDS = ("<|call|>", "<|return|>")
+
+
+def _harmony_ends(hf: Any) -> set[int]:
+    """A vocabulary with harmony's markers as special tokens speaks harmony,
+    where ``<|call|>`` and ``<|return|>`` end the reply whatever the
+    checkpoint's ``generation_config.json`` lists (a converted or trimmed
+    gpt-oss checkpoint may list only ``<|return|>``, and would then run past
+    a call); vLLM adds both as stop ids for harmony too."""
+    decoder = getattr(hf, "added_tokens_decoder", {})
+    special = {token.content: int(index) for index, token in decoder.items() if token.special}
+    if not all(marker in special for marker in HARMONY_ENDS):
+        return set()
+    return {special[marker] for marker in HARMONY_ENDS}
