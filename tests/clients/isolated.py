@@ -10,10 +10,14 @@ test server and nothing else.
 from __future__ import annotations
 
 import fcntl
+import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
+from collections.abc import Sequence
+from pathlib import Path
 
 _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
@@ -46,3 +50,22 @@ def bring_loopback_up() -> None:
 def only_loopback() -> bool:
     """Whether this process sees no network interface but loopback."""
     return [name for _, name in socket.if_nameindex()] == ["lo"]
+
+
+def run_isolated(
+    command: Sequence[str], *, cwd: Path, timeout: float
+) -> subprocess.CompletedProcess[bytes]:
+    """Run ``command`` (an :func:`isolation_command` line) in a process group
+    of its own, and kill the whole group if the caller gives up (a timeout,
+    pytest-timeout's exception, ^C): a server it started would otherwise
+    outlive the test and load the host, as one once did for half an hour."""
+    process = subprocess.Popen(
+        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)

@@ -33,7 +33,7 @@ from tests.clients.codex.scripts import (
     HARMONY_WINDOW,
     MAX_POSITIONS,
 )
-from tests.clients.isolated import isolation_command
+from tests.clients.isolated import isolation_command, run_isolated
 from tests.fixtures.harmony_model import HarmonyModel, cached_harmony_model
 from tests.fixtures.scripted_model import ScriptedModel, build_scripted_model
 
@@ -106,9 +106,7 @@ def run(
         prompt,
         *extra,
     ]
-    finished = subprocess.run(
-        command, cwd=REPO, capture_output=True, timeout=RUN_SECONDS, check=False
-    )
+    finished = run_isolated(command, cwd=REPO, timeout=RUN_SECONDS)
     assert finished.returncode == 0, finished.stderr.decode(errors="replace")
     report: dict[str, Any] = json.loads(finished.stdout)
     return report
