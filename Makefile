@@ -165,7 +165,8 @@ VLLM_UV_INSTALL := $(VLLM_VENV)/bin/uv pip install --quiet --python $(VLLM_VENV)
 VLLM_TESTS ?= tests/unit/test_vllm_mapping.py tests/e2e/test_vllm.py tests/e2e/test_chat.py \
 	tests/e2e/test_tokens.py tests/e2e/test_responses.py tests/e2e/test_anthropic.py \
 	tests/e2e/test_logprobs.py tests/e2e/test_multiturn.py tests/e2e/test_stops.py \
-	tests/e2e/test_structured.py tests/e2e/test_multiturn_surfaces.py tests/e2e/test_parsing.py
+	tests/e2e/test_structured.py tests/e2e/test_multiturn_surfaces.py tests/e2e/test_parsing.py \
+	tests/e2e/test_harmony.py
 
 $(VLLM_STAMP): pyproject.toml Makefile $(VLLM_LOCK)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
