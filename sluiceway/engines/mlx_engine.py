@@ -31,6 +31,7 @@ reallocates, so the entries themselves are never written to.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -98,6 +99,48 @@ class _Queued:
         return _Queued(order, self.tokens[indices], self.logits[indices])
 
 
+def unhonoured_window(config: Mapping[str, Any], model_args: Any) -> int | None:
+    """The attention window ``config`` asks for when mlx-lm's model class has
+    no notion of one (its arguments carry neither ``sliding_window`` nor
+    ``layer_types``: Qwen2 and Qwen3, whose Hugging Face classes do window).
+    Such a model attends over everything; up to the window that is the same
+    attention, past it the answers differ."""
+    window = config.get("sliding_window")
+    if not isinstance(window, int) or window <= 0:
+        return None
+    # Qwen2/3 carry a window that is off unless asked for; Mistral's is on
+    # when given; layer_types, where present, say which layers use it.
+    if not config.get("use_sliding_window", True):
+        return None
+    types = config.get("layer_types")
+    if isinstance(types, list) and all(kind == "full_attention" for kind in types):
+        return None
+    names = (
+        {field.name for field in dataclasses.fields(model_args)}
+        if dataclasses.is_dataclass(model_args)
+        else set()
+    )
+    return None if names & {"sliding_window", "layer_types"} else window
+
+
+def _max_context(config: Mapping[str, Any], model: Any) -> int:
+    """The longest sequence served: the config's, or a window mlx-lm would
+    ignore (a longer prompt is then refused as too long, not answered wrong)."""
+    longest = config_max_context(config)
+    window = unhonoured_window(config, getattr(model, "args", None))
+    if window is None or window >= longest:
+        return longest
+    logger.warning(
+        "mlx-lm's %s attends over the whole sequence where this model attends over a "
+        "%d-token window: the context is held to %d tokens (--engine transformers "
+        "honours the window)",
+        config.get("model_type", "model"),
+        window,
+        window,
+    )
+    return window
+
+
 class MlxEngine:
     def __init__(
         self,
@@ -138,7 +181,7 @@ class MlxEngine:
             device="gpu" if on_gpu else "cpu",
             dtype=str(config.get("torch_dtype") or config.get("dtype") or "auto"),
             vocab_size=int(source.vocab_size),
-            max_context=config_max_context(config),
+            max_context=_max_context(config, self._model),
             kv_bytes_per_token=self._bytes_per_token(),
             free_memory_bytes=_free_memory(mx, on_gpu),
             threads=self._blas_count(on_gpu, threads, blas),
