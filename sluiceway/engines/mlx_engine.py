@@ -100,11 +100,11 @@ class _Queued:
 
 
 def unhonoured_window(config: Mapping[str, Any], model_args: Any) -> int | None:
-    """The attention window ``config`` asks for when mlx-lm's model class has
-    no notion of one (its arguments carry neither ``sliding_window`` nor
-    ``layer_types``: Qwen2 and Qwen3, whose Hugging Face classes do window).
-    Such a model attends over everything; up to the window that is the same
-    attention, past it the answers differ."""
+    """The attention window ``config`` asks for when mlx-lm's model class
+    would not apply it: Qwen2 and Qwen3 (no window in mlx-lm, one in Hugging
+    Face's classes), or mlx-lm's Llama reading a Mistral window with no
+    ``layer_types``. Such a model attends over everything; up to the window
+    that is the same attention, past it the answers differ."""
     window = config.get("sliding_window")
     if not isinstance(window, int) or window <= 0:
         return None
@@ -120,7 +120,11 @@ def unhonoured_window(config: Mapping[str, Any], model_args: Any) -> int | None:
         if dataclasses.is_dataclass(model_args)
         else set()
     )
-    return None if names & {"sliding_window", "layer_types"} else window
+    if "sliding_window_pattern" in names:  # Gemma's: windows by their own pattern
+        return None
+    if "layer_types" in names:  # mlx-lm's Llama: windows only where layer_types say
+        return None if isinstance(types, list) else window
+    return None if "sliding_window" in names else window
 
 
 def _max_context(config: Mapping[str, Any], model: Any) -> int:

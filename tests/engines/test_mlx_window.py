@@ -47,6 +47,8 @@ QWEN3_WINDOWED = {
         ({"sliding_window": 4096}, _NoWindow("mistral"), 4096),
         ({"sliding_window": None}, _NoWindow("mistral"), None),
         (QWEN3_WINDOWED, _Windowed("llama"), None),
+        # Mistral 7B v0.1 read as Llama: without layer_types mlx-lm ignores it.
+        ({"sliding_window": 4096}, _Windowed("llama"), 4096),
         (QWEN3_WINDOWED, None, 128),
     ],
 )
