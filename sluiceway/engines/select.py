@@ -72,23 +72,40 @@ def process_environment(name: str) -> dict[str, str]:
 
 
 def make_engine(
-    choice: str, source: ModelSource, *, device: str, dtype: str, threads: int = 0
+    choice: str,
+    source: ModelSource,
+    *,
+    device: str,
+    dtype: str,
+    threads: int = 0,
+    compile: str = "off",
+    compile_max_batch: int = 32,
 ) -> Engine:
     """Build the engine ``choice`` names for ``source`` (``auto`` is resolved
     by :func:`choose_engine`; a resolved name is not logged again).
 
     ``device``, ``dtype`` and ``threads`` (0: the default) apply to
     transformers; mlx picks its own device (Metal if present) and runs the
-    checkpoint's dtype, and ``threads`` is its OpenBLAS's count where its CPU
+    checkpoint's dtype, ``compile`` and ``compile_max_batch`` are
+    transformers' (``--compile``), and ``threads`` is its OpenBLAS's count where its CPU
     backend runs on OpenBLAS (:mod:`sluiceway.engines.blas`).
     """
     name = choice if choice in ("mlx", "transformers") else choose_engine(choice)
     if name == "transformers":
         from sluiceway.engines.torch_engine import TransformersEngine
 
-        return TransformersEngine(source, device=device, dtype=dtype, threads=threads)
+        return TransformersEngine(
+            source,
+            device=device,
+            dtype=dtype,
+            threads=threads,
+            compile=compile,
+            compile_max_batch=compile_max_batch,
+        )
     if device != "auto" or dtype != "auto":
         logger.warning("the mlx engine ignores --device %s and --dtype %s", device, dtype)
+    if compile != "off":
+        logger.warning("the mlx engine ignores --compile %s", compile)
     from sluiceway.engines.mlx_engine import MlxEngine
 
     return MlxEngine(source, threads=threads)

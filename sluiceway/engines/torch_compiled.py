@@ -42,7 +42,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 logger = logging.getLogger(__name__)
 
 #: ``--compile``'s choices.
-MODES = ("off", "auto", "on")
+MODES = ("off", "on")
 #: Row counts of the compiled graphs: a batch is padded up to the next one.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -66,6 +66,7 @@ class _IndexLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.keys, self.values, self.index = keys, values, index
+        self._keys, self._values = keys, values  # typed: never None
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -74,19 +75,15 @@ class _IndexLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.keys, self.values
-        assert keys is not None and values is not None
-        keys.index_copy_(2, self.index, key_states)
-        values.index_copy_(2, self.index, value_states)
-        return keys, values
+        self._keys.index_copy_(2, self.index, key_states)
+        self._values.index_copy_(2, self.index, value_states)
+        return self._keys, self._values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        assert self.keys is not None
-        return self.keys.shape[2], 0
+        return self._keys.shape[2], 0
 
     def get_seq_length(self) -> int:
-        assert self.keys is not None
-        return int(self.keys.shape[2])
+        return int(self._keys.shape[2])
 
     def get_max_length(self) -> int:
         return -1
@@ -144,6 +141,10 @@ class CompiledStep:
         self.failure: str | None = None
         #: Compiled steps run, by bucket.
         self.steps: dict[int, int] = dict.fromkeys(self.buckets, 0)
+        # Every bucket is a recompile of the same function (and so is every
+        # engine's model in one process, as in the tests): room for them all.
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, 4 * len(BUCKETS))
         self._compiled = torch.compile(
             step_function(model, cache_keyword), backend=backend, fullgraph=True, dynamic=False
         )

@@ -152,11 +152,6 @@ def _config_dtype(config: Mapping[str, Any]) -> str | None:
     return None
 
 
-def compile_by_default(device: torch.device) -> bool:
-    """Whether ``--compile auto`` compiles the decode step on ``device``."""
-    return False
-
-
 def requested_threads(wanted: int = 0) -> int:
     """The thread count asked for: ``wanted`` (``--engine-threads``), else
     ``OMP_NUM_THREADS``; 0 when neither says one."""
@@ -451,7 +446,7 @@ class TransformersEngine:
         dtype: str = "auto",
         threads: int = 0,
         compile: str = "off",
-        compile_max_batch: int = BUCKETS[-1],
+        compile_max_batch: int = 32,
     ) -> None:
         self._device = resolve_device(device)
         self._dtype = resolve_dtype(dtype, source.config, self._device)
@@ -718,7 +713,7 @@ class TransformersEngine:
         logging why an unsupported model or device decodes eagerly."""
         if mode not in COMPILE_MODES:
             raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}, not {mode!r}")
-        if mode == "off" or (mode == "auto" and not compile_by_default(self._device)):
+        if mode == "off":
             return None
         if self._device.type != "cpu":
             why = f"the compiled step is built for the CPU only, not {self._device.type}"

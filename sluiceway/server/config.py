@@ -29,6 +29,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 CHOICES: dict[str, tuple[str, ...]] = {
     "engine": ("auto", "mlx", "transformers", "vllm"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "compile": ("off", "on"),
     "worker_class": ("asyncio", "trio"),
     "logprobs_mode": ("raw", "processed"),
     "reasoning_field": ("reasoning_content", "reasoning", "both"),
@@ -51,6 +52,10 @@ class ServerConfig:
     #: auto, cpu, cuda or cuda:N (``engines.device.DEVICES``).
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    #: The transformers engine's decode step through ``torch.compile`` (CPU).
+    compile: Literal["off", "on"] = "off"
+    #: The largest batch the compiled step pads to; larger ones decode eagerly.
+    compile_max_batch: int = 32
     #: None: a child process on the CPU, the engine thread on a GPU (and in
     #: a daemonic worker process, which may not start one).
     engine_process: bool | None = None
@@ -135,6 +140,7 @@ class ServerConfig:
             "request_timeout",
             "release_memory_after",
             "engine_threads",
+            "compile_max_batch",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")

@@ -1,8 +1,9 @@
 """The compiled decode step (``--compile on``) against the eager one.
 
 Compiling is slow (seconds per batch bucket), so one compiled engine serves
-the module and it compiles only the buckets 1, 2 and 4; larger batches take
-the eager step. The parity suite (test_parity.py) runs it as a third engine.
+the session (conftest's ``compiled_transformers``) and it compiles only the
+buckets 1, 2 and 4; larger batches take the eager step. The parity suite
+(test_parity.py) runs it as a third engine, against plain transformers.
 """
 
 from __future__ import annotations
@@ -19,21 +20,20 @@ from sluiceway.engines import torch_engine
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.torch_compiled import CompiledStep, bucket_for
 from sluiceway.engines.torch_engine import TransformersEngine
+from tests.engines.conftest import COMPILE_MAX_BATCH
 from tests.engines.helpers import assert_same_trace, run_schedule
 
-#: The buckets the module's compiled engine compiles.
-MAX_BATCH = 4
+MAX_BATCH = COMPILE_MAX_BATCH
 
 
 def compiled_engine(source: ModelSource) -> TransformersEngine:
     return TransformersEngine(source, dtype="float32", compile="on", compile_max_batch=MAX_BATCH)
 
 
-@pytest.fixture(scope="module")
-def compiled(tiny_model: ModelSource) -> Iterator[TransformersEngine]:
-    engine = compiled_engine(tiny_model)
-    yield engine
-    engine.close()
+@pytest.fixture
+def compiled(compiled_transformers: TransformersEngine) -> Iterator[TransformersEngine]:
+    yield compiled_transformers
+    compiled_transformers.close()
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,9 @@ def test_compiled_rows_equal_eager_rows_in_every_bucket(
     for (slot, trace), (_, expected) in zip(got, want, strict=True):
         assert_same_trace(trace, expected, f"slot {slot}")
     ran = {bucket: step.steps[bucket] - before[bucket] for bucket in step.buckets}
-    assert ran[1] >= 2 and ran[2] >= 2 and ran[4] >= 5, ran
+    assert ran[1] >= 2, ran
+    assert ran[2] >= 2, ran
+    assert ran[4] >= 5, ran
     assert counters["stats"]["unique_graphs"] - graphs <= len(step.buckets)
 
 
@@ -119,13 +121,15 @@ def test_a_failed_compile_falls_back_to_eager(
     )
     engine = compiled_engine(tiny_model)
     step = engine.compiled_step
-    assert step is not None and step.failure is None
+    assert step is not None
+    assert step.failure is None
     prompts = {0: prompt(20, 30), 1: prompt(21, 7)}
     joins = {0: [0, 1]}
     with caplog.at_level(logging.WARNING, logger="sluiceway.engines.torch_compiled"):
         got = run_schedule(engine, prompts, joins, {}, 4)
     engine.close()
-    assert step.failure is not None and "no C++ compiler here" in step.failure
+    assert step.failure is not None
+    assert "no C++ compiler here" in step.failure
     assert "decoding eagerly" in caplog.text
     assert sum(step.steps.values()) == 0
     assert step.bucket(1) is None
