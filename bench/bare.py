@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -194,6 +195,8 @@ def compare_compile(args: argparse.Namespace) -> None:
         "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default"),
     }
     print(json.dumps(summary, indent=1))
+    if not args.warm_cache:
+        shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
 def torch_threads() -> int:

@@ -61,9 +61,13 @@ def in_child_process_by_default(name: str, device: str = "auto") -> bool:
     return (device if device != "auto" else resolve_device(device).type) == "cpu"
 
 
-def process_environment(name: str) -> dict[str, str]:
+def process_environment(name: str, compile: str = "off") -> dict[str, str]:
     """Environment variables a child process running engine ``name`` starts with
     (each only where the server's own environment does not set it)."""
+    if name == "transformers" and compile != "off":
+        from sluiceway.engines.torch_compiled import PROCESS_ENVIRONMENT as COMPILED
+
+        return dict(COMPILED)
     if name != "mlx":
         return {}
     from sluiceway.engines.mlx_engine import PROCESS_ENVIRONMENT

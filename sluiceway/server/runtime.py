@@ -164,7 +164,7 @@ def _start_engine(config: ServerConfig, source: ModelSource) -> Engine | VllmEng
         compile_max_batch=config.compile_max_batch,
         log_level=config.log_level,
         log_format=LOG_FORMAT,
-        environment=process_environment(name),
+        environment=process_environment(name, config.compile),
     )
     return ProcessEngine(spec)
 

@@ -9,15 +9,18 @@ buckets 1, 2 and 4; larger batches take the eager step. The parity suite
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from sluiceway.engines import torch_engine
-from sluiceway.engines.loader import ModelSource
+from sluiceway.engines.loader import ModelSource, resolve_model
 from sluiceway.engines.torch_compiled import CompiledStep, bucket_for
 from sluiceway.engines.torch_engine import TransformersEngine
 from tests.engines.conftest import COMPILE_MAX_BATCH
@@ -145,3 +148,28 @@ def test_compile_off_builds_no_step_and_a_bad_mode_is_refused(tiny_model: ModelS
     engine.close()
     with pytest.raises(ValueError, match="--compile must be one of"):
         TransformersEngine(tiny_model, dtype="float32", compile="yes")
+
+
+def test_a_sliding_window_model_decodes_eagerly_and_says_why(
+    tiny_model: ModelSource, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The compiled step takes the ready mask of full-attention models only."""
+    target = tmp_path / "sliding"
+    shutil.copytree(tiny_model.path, target)
+    config = json.loads((target / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    config.update(
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=layers,
+        layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
+    )
+    (target / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING, logger="sluiceway.engines.torch_engine"):
+        engine = compiled_engine(resolve_model(str(target)))
+    assert engine.compiled_step is None
+    assert "--compile on: decoding eagerly" in caplog.text
+    assert "sliding-window" in caplog.text
+    engine.prefill(0, prompt(30, 12))
+    assert engine.decode({0: 5}).logits.shape == (1, engine.info.vocab_size)
+    engine.close()
