@@ -41,6 +41,11 @@ freed row is overwritten by the last row, and ``start`` moves right past the
 padding that every remaining row shares, so attention stops paying for it.
 The time axis grows geometrically and the rows double, so the amortised cost
 of a decode step is one in-place write per layer.
+
+With ``--compile on`` a decode step of up to ``--compile-max-batch`` rows
+runs a graph that ``torch.compile`` made of the model's forward, over the
+same buffers (:meth:`KVRows.padded_inputs`,
+:mod:`sluiceway.engines.torch_compiled`); everything else stays eager.
 """
 
 from __future__ import annotations
@@ -713,6 +718,8 @@ class TransformersEngine:
         logging why an unsupported model or device decodes eagerly."""
         if mode not in COMPILE_MODES:
             raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}, not {mode!r}")
+        if max_batch < 1:
+            raise ValueError(f"--compile-max-batch must be at least 1, not {max_batch}")
         if mode == "off":
             return None
         if self._device.type != "cpu":

@@ -132,6 +132,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}")
         check_device(self.device)
         self.template_defaults()  # refuses what is not a JSON object
+        if self.compile_max_batch < 1:
+            raise ValueError("compile_max_batch must be at least 1")
         if self.keepalive_seconds <= 0:
             raise ValueError("keepalive_seconds must be positive")
         for name in (
@@ -140,7 +142,6 @@ class ServerConfig:
             "request_timeout",
             "release_memory_after",
             "engine_threads",
-            "compile_max_batch",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")

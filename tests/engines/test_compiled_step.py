@@ -148,6 +148,8 @@ def test_compile_off_builds_no_step_and_a_bad_mode_is_refused(tiny_model: ModelS
     engine.close()
     with pytest.raises(ValueError, match="--compile must be one of"):
         TransformersEngine(tiny_model, dtype="float32", compile="yes")
+    with pytest.raises(ValueError, match="--compile-max-batch must be at least 1"):
+        TransformersEngine(tiny_model, dtype="float32", compile="on", compile_max_batch=0)
 
 
 def test_a_sliding_window_model_decodes_eagerly_and_says_why(
