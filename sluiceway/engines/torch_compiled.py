@@ -13,13 +13,18 @@ change in two ways:
   token 0, attends only to the position it writes, and writes it in a row
   of the buffer that no running row owns (finite values, as the buffer's
   layout requires); its logits are dropped.
-* the past: it grows by one position a step. The graph attends over
-  ``[0, T)`` of the :class:`~sluiceway.engines.torch_engine.KVRows` buffer,
-  where ``T`` is the step's end rounded up to the buffer's time step, and
-  ``T`` is a symbolic size (``mark_dynamic``), so a longer past reuses the
-  same graph instead of recompiling. Positions outside a row's
-  ``[first, end]`` are masked exactly as in the eager step (the mask is
-  ready-made and additive; a masked score contributes nothing).
+* the past: it grows by one position a step, and the buffers holding it
+  are reallocated longer now and then (new strides). The graph takes the
+  whole :class:`~sluiceway.engines.torch_engine.KVRows` buffers and attends
+  over their first ``T`` positions, ``T`` being the step's end rounded up
+  to the buffer's time step; the buffer's length and ``T`` are symbolic
+  sizes (``mark_dynamic``, without duck shapes, since the two are often
+  equal when a graph is traced), so a longer past or buffer reuses the
+  graph. The buffer keeps a spare time step past ``T``: a graph traced with
+  ``T`` shorter than the buffer takes the two being equal for another case
+  (a second graph). Positions outside a row's ``[first, end]`` are masked
+  exactly as in the eager step (the mask is ready-made and additive; a
+  masked score contributes nothing).
 
 The new keys and values are written with ``index_copy_`` at a position held
 in a tensor (transformers' ``StaticCache`` does the same for its compiled
@@ -72,10 +77,13 @@ class _IndexLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     is_sliding = False
     is_compileable = True
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> None:
+    def __init__(
+        self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, time: int
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.keys, self.values, self.index = keys, values, index
         self._keys, self._values = keys, values  # typed: never None
+        self._time = time
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -86,13 +94,13 @@ class _IndexLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._keys.index_copy_(2, self.index, key_states)
         self._values.index_copy_(2, self.index, value_states)
-        return self._keys, self._values
+        return self._keys[:, :, : self._time], self._values[:, :, : self._time]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._keys.shape[2], 0
+        return self._time, 0
 
     def get_seq_length(self) -> int:
-        return int(self._keys.shape[2])
+        return self._time
 
     def get_max_length(self) -> int:
         return -1
@@ -100,10 +108,14 @@ class _IndexLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
 
 class _IndexCache(Cache):
     def __init__(
-        self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], index: torch.Tensor
+        self,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        index: torch.Tensor,
+        time: int,
     ) -> None:
         super().__init__(
-            layers=[_IndexLayer(k, v, index) for k, v in zip(keys, values, strict=True)]
+            layers=[_IndexLayer(k, v, index, time) for k, v in zip(keys, values, strict=True)]
         )
 
 
@@ -125,7 +137,7 @@ def step_function(model: Any, cache_keyword: str) -> StepFunction:
             attention_mask={"full_attention": mask},
             use_cache=True,
             logits_to_keep=1,
-            **{cache_keyword: _IndexCache(keys, values, index)},
+            **{cache_keyword: _IndexCache(keys, values, index, mask.shape[-1])},
         )
         logits: torch.Tensor = output.logits[:, -1, :]
         return logits
@@ -180,7 +192,10 @@ class CompiledStep:
             torch._dynamo.mark_dynamic(tensor, 2)
         torch._dynamo.mark_dynamic(mask, 3)
         try:
-            logits: torch.Tensor = self._compiled(ids, positions, mask, index, keys, values)
+            # Without duck shapes: the window and the capacity are often equal
+            # when a graph is traced, and must not be taken to be always.
+            with torch.fx.experimental._config.patch(use_duck_shape=False):
+                logits: torch.Tensor = self._compiled(ids, positions, mask, index, keys, values)
         except Exception as error:  # any failure: the eager step still works
             lines = [line for line in str(error).splitlines() if line.strip()][:2]
             self.failure = " ".join([type(error).__name__ + ":", *lines])

@@ -273,10 +273,14 @@ class KVRows:
         """A compiled decode step's inputs for ``bucket`` rows (the running
         rows, then padding rows): positions ``[bucket, 1]``, the additive
         mask ``[bucket, 1, 1, T]``, the write position ``[1]``, and every
-        layer's keys and values ``[bucket, heads, T, dim]`` (views), where
+        layer's keys and values ``[bucket, heads, time_capacity, dim]``
+        (views; the graph attends over their first ``T`` positions), where
         ``T`` is ``end + 1`` rounded up to :data:`TIME_STEP`. A padding row
         sees only the position it writes (:mod:`~sluiceway.engines.torch_compiled`)."""
-        self.reserve(right=1, rows=bucket)
+        # A spare time step past T: the buffer is never exactly the window,
+        # which a graph traced otherwise takes for a case of its own (a
+        # second graph per bucket, and a recompile the first time it comes).
+        self.reserve(right=TIME_STEP + 1, rows=bucket)
         device, end = self.device, self.end
         time = _round_up(end + 1, TIME_STEP)
         pad = bucket - self.rows
@@ -286,8 +290,8 @@ class KVRows:
         allowed = (index[None, :] >= first[:, None]) & (index[None, :] <= end)
         mask = torch.zeros(allowed.shape, dtype=self.layouts[0].dtype, device=device)
         mask.masked_fill_(~allowed, float("-inf"))
-        keys = [tensor[:bucket, :, :time] for tensor in self.keys]
-        values = [tensor[:bucket, :, :time] for tensor in self.values]
+        keys = [tensor[:bucket] for tensor in self.keys]
+        values = [tensor[:bucket] for tensor in self.values]
         at = torch.tensor([end], device=device)
         return seen[:, None], mask[:, None, None, :], at, keys, values
 

@@ -93,6 +93,35 @@ def test_compiled_rows_equal_eager_rows_in_every_bucket(
     assert counters["stats"]["unique_graphs"] - graphs <= len(step.buckets)
 
 
+def test_a_longer_past_and_a_larger_buffer_reuse_the_graph(
+    compiled: TransformersEngine, eager: TransformersEngine
+) -> None:
+    """One row decodes until its buffers are reallocated (a new time
+    capacity, new strides): the same graph serves before and after."""
+    from torch._dynamo.utils import counters
+
+    prompts, joins = {0: prompt(40, 500)}, {0: [0]}
+    got = run_schedule(compiled, prompts, joins, {}, 1)  # bucket 1 compiled, if it was not
+    graphs = counters["stats"]["unique_graphs"]
+    compiled.prefill(0, prompts[0])
+    token = 7
+    compiled.decode({0: token})
+    batch = compiled._batch
+    assert batch is not None
+    capacities = {batch.time_capacity}
+    for _ in range(300):  # past 768 positions: a 768-position buffer is reallocated
+        token = int(compiled.decode({0: token}).logits[0].argmax())
+        capacities.add(batch.time_capacity)
+    compiled.free(0)
+    assert len(capacities) > 1, capacities
+    assert counters["stats"]["unique_graphs"] == graphs
+    got = run_schedule(compiled, prompts, joins, {}, 40)
+    for (slot, trace), (_, expected) in zip(
+        got, run_schedule(eager, prompts, joins, {}, 40), strict=True
+    ):
+        assert_same_trace(trace, expected, f"slot {slot}")
+
+
 def test_a_batch_past_the_largest_bucket_decodes_eagerly(
     compiled: TransformersEngine, eager: TransformersEngine
 ) -> None:
