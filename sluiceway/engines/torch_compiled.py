@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.fx.experimental import _config as shapes_config
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 logger = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ class CompiledStep:
         try:
             # Without duck shapes: the window and the capacity are often equal
             # when a graph is traced, and must not be taken to be always.
-            with torch.fx.experimental._config.patch(use_duck_shape=False):
+            with shapes_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
                 logits: torch.Tensor = self._compiled(ids, positions, mask, index, keys, values)
         except Exception as error:  # any failure: the eager step still works
             lines = [line for line in str(error).splitlines() if line.strip()][:2]
