@@ -27,6 +27,21 @@ JSON object per batch size on stdout:
 
     .venv/bin/python bench/bare.py --engine transformers --model DIR [--batches 1 4 16]
 
+With ``--compare-compile`` (transformers) it measures, in this one process,
+three loops at each batch size, interleaved within each repeat: the bare
+loop above (``bare``), our engine's eager decode step (``eager``:
+``TransformersEngine.decode``, argmax in NumPy as the server's sampler
+takes it) and its compiled step (``compiled``: ``--compile on``,
+:mod:`sluiceway.engines.torch_compiled`). It prints one JSON object per loop
+and batch size, then one summary with the ratios, each loop's start-up
+(model load; for ``compiled`` each bucket's first step, which compiles it),
+the load average before and after, and torch.compile's graph and recompile
+counts (set ``TORCH_LOGS=recompiles`` to see each one's reason). Unless ``--warm-cache``, Inductor's cache is a fresh temporary
+directory, so the compile times are cold ones:
+
+    nice -n 5 .venv/bin/python bench/bare.py --engine transformers --model DIR \
+        --compare-compile [--batches 1 4 16] [--dtype float32]
+
 With ``--stdin`` it then stays up and measures each batch size it reads from
 stdin (one repeat each), so that a caller can measure the bare engine right
 before and after measuring a server on the same host.
@@ -40,7 +55,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -96,6 +113,98 @@ def torch_loop(model_dir: str, sample: bool, dtype: str = "auto") -> Callable[[i
     return start
 
 
+def engine_loop(
+    model_dir: str, compile: str, dtype: str, startup: dict[str, float]
+) -> Callable[[int, int], Step]:
+    """Our transformers engine's decode step (``--compile`` ``compile``), greedy."""
+    from sluiceway.engines.loader import resolve_model
+    from sluiceway.engines.torch_engine import TransformersEngine
+
+    started = time.perf_counter()
+    engine = TransformersEngine(resolve_model(model_dir), dtype=dtype, compile=compile)
+    startup["load"] = time.perf_counter() - started
+    vocab = engine.info.vocab_size
+
+    def start(batch: int, prompt: int) -> Step:
+        for slot in range(batch + 64):  # whatever the last measurement left
+            engine.free(slot)
+        tokens = {
+            slot: int(np.argmax(engine.prefill(slot, ids)[-1]))
+            for slot, ids in enumerate(rows(batch, prompt, vocab))
+        }
+
+        def step() -> None:
+            result = engine.decode(tokens)
+            for slot, token in zip(result.slots, result.logits.argmax(axis=1), strict=True):
+                tokens[slot] = int(token)
+
+        return step
+
+    return start
+
+
+def compare_compile(args: argparse.Namespace) -> None:
+    """``--compare-compile``: the bare loop, our eager step and our compiled step."""
+    if not args.warm_cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-")
+    from torch._dynamo.utils import counters
+
+    load_before = os.getloadavg()
+    startups: dict[str, dict[str, float]] = {"bare": {}, "eager": {}, "compiled": {}}
+    started = time.perf_counter()
+    loops = {"bare": torch_loop(args.model, args.sample, args.dtype)}
+    startups["bare"]["load"] = time.perf_counter() - started
+    for mode, name in (("off", "eager"), ("on", "compiled")):
+        loops[name] = engine_loop(args.model, mode, args.dtype, startups[name])
+    for loop in loops.values():  # warm-up, as in main(); batch 1's graph compiles later
+        loop(1, 8)
+    best: dict[tuple[str, int], float] = {}
+    for repeat in range(args.repeats):
+        for batch in args.batches:
+            for name, start in loops.items():
+                step = start(batch, args.prompt)
+                first = time.perf_counter()
+                step()  # not timed: for ``compiled``, the bucket's graph compiles on its first step
+                if repeat == 0:
+                    startups[name][f"first_step_{batch}"] = time.perf_counter() - first
+                began = time.perf_counter()
+                for _ in range(args.tokens):
+                    step()
+                mean = (time.perf_counter() - began) / args.tokens
+                best[name, batch] = min(best.get((name, batch), float("inf")), mean)
+    for (name, batch), mean in best.items():
+        print(json.dumps({"loop": name, "batch": batch, "tokens_per_s": batch / mean}))
+    ratios = {
+        str(batch): {
+            "compiled/eager": best["eager", batch] / best["compiled", batch],
+            "compiled/bare": best["bare", batch] / best["compiled", batch],
+            "eager/bare": best["bare", batch] / best["eager", batch],
+        }
+        for batch in args.batches
+    }
+    summary = {
+        "ratios": ratios,
+        "startup_s": startups,
+        "graphs": counters["stats"]["unique_graphs"],
+        # Every graph after the first is a recompile of the one step function:
+        # one per bucket; a longer past (a symbolic size) adds none.
+        "recompiles": counters["stats"]["unique_graphs"] - 1,
+        "threads": torch_threads(),
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default"),
+    }
+    print(json.dumps(summary, indent=1))
+    if not args.warm_cache:
+        shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+
+
+def torch_threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())
+
+
 def mlx_loop(model_dir: str, sample: bool) -> Callable[[int, int], Step]:
     from pathlib import Path
 
@@ -149,7 +258,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="after the batches, measure each batch size read from stdin (one per line)",
     )
+    parser.add_argument(
+        "--compare-compile",
+        action="store_true",
+        help="transformers: the bare loop, our eager step and our compiled step, side by side",
+    )
+    parser.add_argument(
+        "--warm-cache",
+        action="store_true",
+        help="with --compare-compile: Inductor's usual cache, not a fresh one (warm start)",
+    )
     args = parser.parse_args(argv)
+    if args.compare_compile:
+        if args.engine != "transformers":
+            parser.error("--compare-compile measures the transformers engine")
+        compare_compile(args)
+        return
     if args.engine == "transformers":
         start = torch_loop(args.model, args.sample, args.dtype)
     else:

@@ -91,6 +91,9 @@ class EngineSpec:
     dtype: str
     #: ``--engine-threads`` (0: the engine's default).
     threads: int = 0
+    #: ``--compile`` and ``--compile-max-batch`` (transformers).
+    compile: str = "off"
+    compile_max_batch: int = 32
     log_level: str = "info"
     log_format: str = logging.BASIC_FORMAT
     #: Set in the child's environment where the parent's does not set them.
@@ -270,7 +273,13 @@ def _child_main(conn: Connection, spec: EngineSpec) -> None:
 
     try:
         engine = make_engine(
-            spec.choice, spec.source, device=spec.device, dtype=spec.dtype, threads=spec.threads
+            spec.choice,
+            spec.source,
+            device=spec.device,
+            dtype=spec.dtype,
+            threads=spec.threads,
+            compile=spec.compile,
+            compile_max_batch=spec.compile_max_batch,
         )
     except Exception as error:
         logger.exception("the engine could not start")

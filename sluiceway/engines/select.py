@@ -61,9 +61,13 @@ def in_child_process_by_default(name: str, device: str = "auto") -> bool:
     return (device if device != "auto" else resolve_device(device).type) == "cpu"
 
 
-def process_environment(name: str) -> dict[str, str]:
+def process_environment(name: str, compile: str = "off") -> dict[str, str]:
     """Environment variables a child process running engine ``name`` starts with
     (each only where the server's own environment does not set it)."""
+    if name == "transformers" and compile != "off":
+        from sluiceway.engines.torch_compiled import PROCESS_ENVIRONMENT as COMPILED
+
+        return dict(COMPILED)
     if name != "mlx":
         return {}
     from sluiceway.engines.mlx_engine import PROCESS_ENVIRONMENT
@@ -72,23 +76,40 @@ def process_environment(name: str) -> dict[str, str]:
 
 
 def make_engine(
-    choice: str, source: ModelSource, *, device: str, dtype: str, threads: int = 0
+    choice: str,
+    source: ModelSource,
+    *,
+    device: str,
+    dtype: str,
+    threads: int = 0,
+    compile: str = "off",
+    compile_max_batch: int = 32,
 ) -> Engine:
     """Build the engine ``choice`` names for ``source`` (``auto`` is resolved
     by :func:`choose_engine`; a resolved name is not logged again).
 
     ``device``, ``dtype`` and ``threads`` (0: the default) apply to
     transformers; mlx picks its own device (Metal if present) and runs the
-    checkpoint's dtype, and ``threads`` is its OpenBLAS's count where its CPU
+    checkpoint's dtype, ``compile`` and ``compile_max_batch`` are
+    transformers' (``--compile``), and ``threads`` is its OpenBLAS's count where its CPU
     backend runs on OpenBLAS (:mod:`sluiceway.engines.blas`).
     """
     name = choice if choice in ("mlx", "transformers") else choose_engine(choice)
     if name == "transformers":
         from sluiceway.engines.torch_engine import TransformersEngine
 
-        return TransformersEngine(source, device=device, dtype=dtype, threads=threads)
+        return TransformersEngine(
+            source,
+            device=device,
+            dtype=dtype,
+            threads=threads,
+            compile=compile,
+            compile_max_batch=compile_max_batch,
+        )
     if device != "auto" or dtype != "auto":
         logger.warning("the mlx engine ignores --device %s and --dtype %s", device, dtype)
+    if compile != "off":
+        logger.warning("the mlx engine ignores --compile %s", compile)
     from sluiceway.engines.mlx_engine import MlxEngine
 
     return MlxEngine(source, threads=threads)

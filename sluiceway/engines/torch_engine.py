@@ -41,6 +41,11 @@ freed row is overwritten by the last row, and ``start`` moves right past the
 padding that every remaining row shares, so attention stops paying for it.
 The time axis grows geometrically and the rows double, so the amortised cost
 of a decode step is one in-place write per layer.
+
+With ``--compile on`` a decode step of up to ``--compile-max-batch`` rows
+runs a graph that ``torch.compile`` made of the model's forward, over the
+same buffers (:meth:`KVRows.padded_inputs`,
+:mod:`sluiceway.engines.torch_compiled`); everything else stays eager.
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ from sluiceway.engines.base import (
 from sluiceway.engines.device import resolve_device
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.memory import host_available_bytes
+from sluiceway.engines.torch_compiled import BUCKETS, CompiledStep
+from sluiceway.engines.torch_compiled import MODES as COMPILE_MODES
 from sluiceway.engines.torch_packed import KEYWORD, Packed, StoreCache, attend
 
 logger = logging.getLogger(__name__)
@@ -260,6 +267,34 @@ class KVRows:
         mask.masked_fill_(~allowed, float("-inf"))
         return positions, mask[:, None, None, :]
 
+    def padded_inputs(
+        self, bucket: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """A compiled decode step's inputs for ``bucket`` rows (the running
+        rows, then padding rows): positions ``[bucket, 1]``, the additive
+        mask ``[bucket, 1, 1, T]``, the write position ``[1]``, and every
+        layer's keys and values ``[bucket, heads, time_capacity, dim]``
+        (views; the graph attends over their first ``T`` positions), where
+        ``T`` is ``end + 1`` rounded up to :data:`TIME_STEP`. A padding row
+        sees only the position it writes (:mod:`~sluiceway.engines.torch_compiled`)."""
+        # A spare time step past T: the buffer is never exactly the window,
+        # which a graph traced otherwise takes for a case of its own (a
+        # second graph per bucket, and a recompile the first time it comes).
+        self.reserve(right=TIME_STEP + 1, rows=bucket)
+        device, end = self.device, self.end
+        time = _round_up(end + 1, TIME_STEP)
+        pad = bucket - self.rows
+        first = torch.tensor(self.first + [end] * pad, device=device)
+        seen = torch.tensor([end - f for f in self.first] + [0] * pad, device=device)
+        index = torch.arange(time, device=device)
+        allowed = (index[None, :] >= first[:, None]) & (index[None, :] <= end)
+        mask = torch.zeros(allowed.shape, dtype=self.layouts[0].dtype, device=device)
+        mask.masked_fill_(~allowed, float("-inf"))
+        keys = [tensor[:bucket] for tensor in self.keys]
+        values = [tensor[:bucket] for tensor in self.values]
+        at = torch.tensor([end], device=device)
+        return seen[:, None], mask[:, None, None, :], at, keys, values
+
     def write(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -413,7 +448,14 @@ class TransformersEngine:
     """An :class:`~sluiceway.engines.base.Engine` over a transformers causal LM."""
 
     def __init__(
-        self, source: ModelSource, *, device: str = "auto", dtype: str = "auto", threads: int = 0
+        self,
+        source: ModelSource,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        threads: int = 0,
+        compile: str = "off",
+        compile_max_batch: int = 32,
     ) -> None:
         self._device = resolve_device(device)
         self._dtype = resolve_dtype(dtype, source.config, self._device)
@@ -433,6 +475,7 @@ class TransformersEngine:
         self._order: list[int] = []
         #: Prefix-cache entries, by the ids the scheduler's index gives them.
         self._entries: dict[int, Segment] = {}
+        self._compiled = self._compiled_step(compile, compile_max_batch)
         self._info = EngineInfo(
             name="transformers",
             device=str(self._device),
@@ -500,8 +543,18 @@ class TransformersEngine:
         with torch.inference_mode():
             self._join_new(tokens)
             assert self._batch is not None
+            batch, rows = self._batch, len(self._order)
+            bucket = self._compiled.bucket(rows) if self._compiled is not None else None
+            if bucket is not None:
+                padded = [tokens[slot] for slot in self._order] + [0] * (bucket - rows)
+                ids = torch.tensor(padded, device=self._device)[:, None]
+                assert self._compiled is not None
+                compiled = self._compiled(ids, *batch.padded_inputs(bucket))
+                if compiled is not None:
+                    batch.advance(1)
+                    return DecodeResult(tuple(self._order), _to_numpy(compiled[:rows]))
             ids = torch.tensor([[tokens[slot]] for slot in self._order], device=self._device)
-            logits = self._forward(self._batch, ids, keep=1)
+            logits = self._forward(batch, ids, keep=1)
             return DecodeResult(tuple(self._order), _to_numpy(logits[:, -1, :]))
 
     def start_decode(self, tokens: Mapping[int, int]) -> Callable[[], DecodeResult]:
@@ -658,6 +711,34 @@ class TransformersEngine:
         packed.advance()
         logits: torch.Tensor = output.logits[0]
         return logits
+
+    @property
+    def compiled_step(self) -> CompiledStep | None:
+        """The compiled decode step (``--compile``), if one was built."""
+        return self._compiled
+
+    def _compiled_step(self, mode: str, max_batch: int) -> CompiledStep | None:
+        """The compiled decode step ``--compile`` asks for, or None (eager),
+        logging why an unsupported model or device decodes eagerly."""
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}, not {mode!r}")
+        if max_batch < 1:
+            raise ValueError(f"--compile-max-batch must be at least 1, not {max_batch}")
+        if mode == "off":
+            return None
+        if self._device.type != "cpu":
+            why = f"the compiled step is built for the CPU only, not {self._device.type}"
+        elif not self._packable:
+            why = "the model has sliding-window or non-SDPA attention layers"
+        else:
+            buckets = [bucket for bucket in BUCKETS if bucket <= max_batch]
+            logger.info(
+                "decode step: torch.compile, batch buckets %s (larger batches: eager)",
+                ", ".join(map(str, buckets)),
+            )
+            return CompiledStep(self._model, self._cache_keyword, buckets=buckets)
+        logger.warning("--compile %s: decoding eagerly, %s", mode, why)
+        return None
 
     def _forward(self, rows: KVRows, ids: torch.Tensor, *, keep: int) -> torch.Tensor:
         length = ids.shape[1]

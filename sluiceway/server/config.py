@@ -29,6 +29,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 CHOICES: dict[str, tuple[str, ...]] = {
     "engine": ("auto", "mlx", "transformers", "vllm"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "compile": ("off", "on"),
     "worker_class": ("asyncio", "trio"),
     "logprobs_mode": ("raw", "processed"),
     "reasoning_field": ("reasoning_content", "reasoning", "both"),
@@ -51,6 +52,10 @@ class ServerConfig:
     #: auto, cpu, cuda or cuda:N (``engines.device.DEVICES``).
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    #: The transformers engine's decode step through ``torch.compile`` (CPU).
+    compile: Literal["off", "on"] = "off"
+    #: The largest batch the compiled step pads to; larger ones decode eagerly.
+    compile_max_batch: int = 32
     #: None: a child process on the CPU, the engine thread on a GPU (and in
     #: a daemonic worker process, which may not start one).
     engine_process: bool | None = None
@@ -127,6 +132,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}")
         check_device(self.device)
         self.template_defaults()  # refuses what is not a JSON object
+        if self.compile_max_batch < 1:
+            raise ValueError("compile_max_batch must be at least 1")
         if self.keepalive_seconds <= 0:
             raise ValueError("keepalive_seconds must be positive")
         for name in (

@@ -145,7 +145,13 @@ def _start_engine(config: ServerConfig, source: ModelSource) -> Engine | VllmEng
             in_child = False
     if not in_child:
         return make_engine(
-            name, source, device=config.device, dtype=config.dtype, threads=config.engine_threads
+            name,
+            source,
+            device=config.device,
+            dtype=config.dtype,
+            threads=config.engine_threads,
+            compile=config.compile,
+            compile_max_batch=config.compile_max_batch,
         )
     logger.info("the engine runs in a child process")
     spec = EngineSpec(
@@ -154,9 +160,11 @@ def _start_engine(config: ServerConfig, source: ModelSource) -> Engine | VllmEng
         device=config.device,
         dtype=config.dtype,
         threads=config.engine_threads,
+        compile=config.compile,
+        compile_max_batch=config.compile_max_batch,
         log_level=config.log_level,
         log_format=LOG_FORMAT,
-        environment=process_environment(name),
+        environment=process_environment(name, config.compile),
     )
     return ProcessEngine(spec)
 
@@ -164,6 +172,8 @@ def _start_engine(config: ServerConfig, source: ModelSource) -> Engine | VllmEng
 def _start_vllm(config: ServerConfig, source: ModelSource) -> VllmEngine:
     if config.device != "auto" or config.engine_process is not None:
         logger.warning("--engine vllm ignores --device and --engine-process: vLLM places its work")
+    if config.compile != "off":
+        logger.warning("--engine vllm ignores --compile: vLLM compiles unless --enforce-eager")
     args = engine_args(
         str(source.path),
         config.vllm_options(),

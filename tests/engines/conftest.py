@@ -57,6 +57,24 @@ def reference(tiny_model: ModelSource) -> Any:
     return model
 
 
+#: The batch buckets the compiled engine compiles (compiling is slow: seconds
+#: a bucket); larger batches take its eager step.
+COMPILE_MAX_BATCH = 4
+
+
+@pytest.fixture(scope="session")
+def compiled_transformers(tiny_model: ModelSource) -> Iterator[Engine]:
+    """The transformers engine with its decode step compiled (``--compile on``):
+    one for the session, so that each bucket compiles once."""
+    from sluiceway.engines.torch_engine import TransformersEngine
+
+    built = TransformersEngine(
+        tiny_model, dtype="float32", compile="on", compile_max_batch=COMPILE_MAX_BATCH
+    )
+    yield built
+    built.close()
+
+
 @pytest.fixture(params=ENGINES)
 def engine(request: pytest.FixtureRequest, tiny_model: ModelSource) -> Iterator[Engine]:
     built = make_engine(

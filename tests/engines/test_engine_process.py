@@ -318,6 +318,8 @@ def test_the_child_starts_with_the_engines_environment(monkeypatch: pytest.Monke
     assert os.environ["SLUICEWAY_TEST_KEPT"] == "parent"
     assert "OPENBLAS_THREAD_TIMEOUT" in process_environment("mlx")
     assert process_environment("transformers") == {}
+    assert process_environment("transformers", "on") == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert process_environment("mlx", "on") == process_environment("mlx")
 
 
 class _Threaded:

@@ -1,23 +1,50 @@
-"""Both engines against plain transformers, and against themselves batched and alone."""
+"""Both engines against plain transformers, and against themselves batched and alone.
+
+The transformers engine runs twice: eagerly, and with its decode step
+compiled (``transformers-compiled``: batches of up to four rows run the
+compiled graphs, larger ones its eager step).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 from sluiceway.engines.base import Engine
+from sluiceway.engines.loader import ModelSource
+from sluiceway.engines.select import make_engine
+from tests.engines.conftest import ENGINES
 from tests.engines.helpers import (
     LOGPROB_TOLERANCE,
     Trace,
     assert_same_trace,
+    exact_dtype,
     greedy_alone,
     log_softmax,
     run_schedule,
 )
 
 STEPS = 12
+
+
+@pytest.fixture(params=[*ENGINES, "transformers-compiled"])
+def engine(request: pytest.FixtureRequest, tiny_model: ModelSource) -> Iterator[Engine]:
+    """conftest's engines, and the session's compiled transformers engine."""
+    if request.param == "transformers-compiled":
+        compiled = request.getfixturevalue("compiled_transformers")
+        yield compiled
+        compiled.close()  # its rows and entries go; its graphs stay
+        step = compiled.compiled_step
+        assert step is not None
+        assert step.failure is None
+        return
+    name = str(request.param)
+    built = make_engine(name, tiny_model, device="auto", dtype=exact_dtype(name))
+    yield built
+    built.close()
 
 
 def prompt(seed: int, length: int, vocab: int = 500) -> list[int]:

@@ -1,0 +1,207 @@
+"""The transformers engine's decode step, compiled with ``torch.compile``.
+
+Theory of operation. On a small model an eager decode step is mostly Python:
+a call per module, a dispatch per op (1.56 ms a step on the tiny default
+model, a quarter of it in transformers' wrappers). ``torch.compile`` traces
+the step once into one graph and Inductor writes it as C++ loops, so a step
+costs one Python call. A graph has fixed shapes, and a decode step's shapes
+change in two ways:
+
+* the number of rows: the batch is padded up to a *bucket* (1, 2, 4, 8, ...),
+  as vLLM pads to its CUDA-graph sizes; each bucket is its own graph,
+  compiled the first time a batch of that size decodes. A padding row feeds
+  token 0, attends only to the position it writes, and writes it in a row
+  of the buffer that no running row owns (finite values, as the buffer's
+  layout requires); its logits are dropped.
+* the past: it grows by one position a step, and the buffers holding it
+  are reallocated longer now and then (new strides). The graph takes the
+  whole :class:`~sluiceway.engines.torch_engine.KVRows` buffers and attends
+  over their first ``T`` positions, ``T`` being the step's end rounded up
+  to the buffer's time step; the buffer's length and ``T`` are symbolic
+  sizes (``mark_dynamic``, without duck shapes, since the two are often
+  equal when a graph is traced), so a longer past or buffer reuses the
+  graph. The buffer keeps a spare time step past ``T``: a graph traced with
+  ``T`` shorter than the buffer takes the two being equal for another case
+  (a second graph). Positions outside a row's ``[first, end]`` are masked
+  exactly as in the eager step (the mask is ready-made and additive; a
+  masked score contributes nothing).
+
+The new keys and values are written with ``index_copy_`` at a position held
+in a tensor (transformers' ``StaticCache`` does the same for its compiled
+path), so the position is data, not a constant of the graph.
+
+Anything that fails while compiling or running a graph turns the compiled
+step off for good and the engine decodes eagerly from then on, with a
+warning saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.fx.experimental import _config as shapes_config
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+logger = logging.getLogger(__name__)
+
+#: The environment of a child process running the compiled step. OpenMP's
+#: idle threads sleep instead of spinning: the compiled step alternates
+#: Inductor's parallel loops and ATen's matrix products, and on a busy
+#: 2-core host spinning threads took the cores from working ones. Measured
+#: (tiny model, batch 1, 2 threads, load ~3) 9-23 ms a step spinning against
+#: 1.75 ms sleeping; the 42M model 1,347 against 21 ms (bench/bare.py,
+#: docs/engines.md). Read when OpenMP starts, so set before the process is.
+PROCESS_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+#: ``--compile``'s choices.
+MODES = ("off", "on")
+#: Row counts of the compiled graphs: a batch is padded up to the next one.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+#: One step's graph: ids ``[B, 1]``, positions ``[B, 1]``, additive mask
+#: ``[B, 1, 1, T]``, the write position ``[1]``, keys and values per layer
+#: ``[B, heads, T, dim]`` -> logits ``[B, vocab]``.
+StepFunction = Callable[..., torch.Tensor]
+
+
+def bucket_for(rows: int, buckets: Sequence[int] = BUCKETS) -> int | None:
+    """The smallest bucket that holds ``rows`` rows; None past the largest."""
+    return next((bucket for bucket in buckets if bucket >= rows), None)
+
+
+class _IndexLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
+    """One layer's window, written at a position given as a tensor."""
+
+    is_sliding = False
+    is_compileable = True
+
+    def __init__(
+        self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, time: int
+    ) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.keys, self.values, self.index = keys, values, index
+        self._keys, self._values = keys, values  # typed: never None
+        self._time = time
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._keys.index_copy_(2, self.index, key_states)
+        self._values.index_copy_(2, self.index, value_states)
+        return self._keys[:, :, : self._time], self._values[:, :, : self._time]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._time, 0
+
+    def get_seq_length(self) -> int:
+        return self._time
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _IndexCache(Cache):
+    def __init__(
+        self,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        index: torch.Tensor,
+        time: int,
+    ) -> None:
+        super().__init__(
+            layers=[_IndexLayer(k, v, index, time) for k, v in zip(keys, values, strict=True)]
+        )
+
+
+def step_function(model: Any, cache_keyword: str) -> StepFunction:
+    """The eager decode step that :func:`torch.compile` traces."""
+
+    def step(
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        index: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> torch.Tensor:
+        output = model(
+            input_ids=ids,
+            position_ids=positions,
+            # A mapping by layer type: transformers then builds no mask of its own.
+            attention_mask={"full_attention": mask},
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_keyword: _IndexCache(keys, values, index, mask.shape[-1])},
+        )
+        logits: torch.Tensor = output.logits[:, -1, :]
+        return logits
+
+    return step
+
+
+class CompiledStep:
+    """The compiled decode step of one model, one graph per bucket, with the
+    eager step as the fallback (``failure`` says why it was taken)."""
+
+    def __init__(
+        self,
+        model: Any,
+        cache_keyword: str,
+        *,
+        buckets: Sequence[int] = BUCKETS,
+        backend: str | Callable[..., Any] = "inductor",
+    ) -> None:
+        self.buckets = tuple(buckets)
+        #: Why the compiled step was given up, once it has been.
+        self.failure: str | None = None
+        #: Compiled steps run, by bucket.
+        self.steps: dict[int, int] = dict.fromkeys(self.buckets, 0)
+        # Every bucket is a recompile of the same function (and so is every
+        # engine's model in one process, as in the tests): room for them all.
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, 4 * len(BUCKETS))
+        self._compiled = torch.compile(
+            step_function(model, cache_keyword), backend=backend, fullgraph=True, dynamic=False
+        )
+
+    @property
+    def active(self) -> bool:
+        return self.failure is None
+
+    def bucket(self, rows: int) -> int | None:
+        """The bucket a batch of ``rows`` runs in; None: decode it eagerly."""
+        return bucket_for(rows, self.buckets) if self.active else None
+
+    def __call__(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        index: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> torch.Tensor | None:
+        """The step's logits, or None once compiling or running has failed."""
+        for tensor in (*keys, *values):
+            torch._dynamo.mark_dynamic(tensor, 2)
+        torch._dynamo.mark_dynamic(mask, 3)
+        try:
+            # Without duck shapes: the window and the capacity are often equal
+            # when a graph is traced, and must not be taken to be always.
+            with shapes_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+                logits: torch.Tensor = self._compiled(ids, positions, mask, index, keys, values)
+        except Exception as error:  # any failure: the eager step still works
+            lines = [line for line in str(error).splitlines() if line.strip()][:2]
+            self.failure = " ".join([type(error).__name__ + ":", *lines])
+            logger.warning("compiled decode step failed, decoding eagerly: %s", self.failure)
+            logger.debug("the compiled decode step's failure", exc_info=True)
+            return None
+        self.steps[ids.shape[0]] += 1
+        return logits
