@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from sluiceway.parsers.assembler import AlignmentError, Chunk, ChunkAssembler
-from sluiceway.parsers.events import Channel, content
+from sluiceway.parsers.assembler import AlignmentError, Chunk, ChunkAssembler, ToolFragment
+from sluiceway.parsers.events import Channel, Span, ToolCallOpened, content
 
 
 def test_text_after_the_fast_path_resolved_its_token_is_an_alignment_error() -> None:
@@ -30,3 +30,22 @@ def test_text_after_the_watermark_resolved_its_token_is_an_alignment_error() -> 
     ]
     with pytest.raises(AlignmentError, match="token 0"):
         assembler.assemble([content(0, "c")], watermark=2)
+
+
+def test_a_call_keeps_the_id_its_model_wrote() -> None:
+    assembler = ChunkAssembler()
+    assembler.register(0, Channel.TOOL_CALL)
+    opened = ToolCallOpened(0, (Span(0, "f", Channel.TOOL_CALL),), call_id="functions.f:0")
+    (chunk,) = assembler.assemble([opened], watermark=1)
+    assert chunk.tool_calls == (ToolFragment(0, "f", "", "functions.f:0"),)
+
+
+def test_removed_text_before_a_tag_leaves_the_token_to_the_tag() -> None:
+    # A token owning a removed character (no channel's markup) and then
+    # "<think>" is a reasoning markup token, whatever was open when it came.
+    assembler = ChunkAssembler()
+    assembler.register(0, Channel.CONTENT)
+    removed = Span(0, " ", Channel.DROPPED)
+    tag = Span(0, "<think>", Channel.DROPPED, markup=Channel.REASONING)
+    assert assembler.assemble([removed, tag], watermark=1) == []
+    assert assembler.final() == Chunk(reasoning_tokens=(0,))
