@@ -49,3 +49,23 @@ def test_removed_text_before_a_tag_leaves_the_token_to_the_tag() -> None:
     tag = Span(0, "<think>", Channel.DROPPED, markup=Channel.REASONING)
     assert assembler.assemble([removed, tag], watermark=1) == []
     assert assembler.final() == Chunk(reasoning_tokens=(0,))
+
+
+def test_entries_waiting_in_two_channels_both_join_the_next_chunk_of_theirs() -> None:
+    assembler = ChunkAssembler()
+    assembler.register(0, Channel.REASONING)
+    assembler.register(1, Channel.CONTENT)
+    tag = Span(0, "<think>", Channel.DROPPED, markup=Channel.REASONING)
+    assert assembler.assemble([tag, Span(1, "x", Channel.DROPPED)], watermark=2) == []
+    assembler.register(2, Channel.REASONING)
+    assembler.register(3, Channel.CONTENT)
+    spans = [Span(2, "r", Channel.REASONING), content(3, "c")]
+    assert assembler.assemble(spans, watermark=4) == [
+        Chunk(
+            reasoning="r",
+            content="c",
+            reasoning_tokens=(0, 2),
+            content_tokens=(1, 3),
+            content_offsets=(0, 0),
+        )
+    ]
