@@ -122,3 +122,10 @@ def test_repairs_to_the_letter(text: str, expected: str) -> None:
     assert guarded([text]) == expected
     assert guarded(list(text)) == expected
     json.loads(expected)
+
+
+def test_a_finished_guard_closes_once() -> None:
+    guard = ObjectGuard()
+    assert guard.feed('{"a": [1') == '{"a": [1'
+    assert guard.finish() == "]}"
+    assert guard.finish() == ""
