@@ -48,6 +48,7 @@ from sluiceway.actors.scheduler_core import (
 from sluiceway.protocol.errors import ServiceUnavailable
 from sluiceway.protocol.messages import (
     Cancel,
+    FailureCause,
     FinishChoice,
     GenerationRequest,
     Limits,
@@ -385,3 +386,74 @@ def test_the_core_does_no_io() -> None:
             imported.add(node.module.split(".")[0])
     assert "sluiceway" in imported  # the walk sees imports
     assert not imported & {"anyio", "asyncio", "trio", "threading", "time", "socket", "os"}
+
+
+# --- single rules, driven through the machine's helpers -------------------------
+
+
+def _one_request(machine: SchedulerMachine, *, max_tokens: int = 9) -> Output:
+    """Submit one request and run the step that brings its first token."""
+    machine.submit(n=1, shared=True, own=[20, 21], max_tokens=max_tokens, slow=False)
+    (output,) = machine.outputs.values()
+    while not output.tokens(0):
+        machine.run_step()
+    return output
+
+
+def _failures(output: Output) -> list[RequestFailed]:
+    return [m for m in output.messages if isinstance(m, RequestFailed)]
+
+
+def test_a_paused_request_ends_as_stalled_at_the_stall_timeout_and_not_before() -> None:
+    machine = SchedulerMachine()
+    output = _one_request(machine)
+    output.full = True
+    machine.now = 10.0
+    machine.run_step()  # paused here, at 10
+    assert machine.core.counters().paused_requests == 1
+    assert machine.core.wake_after(12.0, poll=None) == pytest.approx(3.0)
+    assert machine.core.wake_after(12.0, poll=1.0) == 1.0
+    machine.now = 10.0 + STALL_SECONDS - 0.01
+    machine.run_step()
+    assert not output.closed
+    assert not _failures(output)
+    machine.now = 10.0 + STALL_SECONDS
+    machine.run_step()
+    assert output.closed == 1
+    assert [f.cause for f in _failures(output)] == [FailureCause.STALLED]
+
+
+def test_a_reader_that_keeps_up_never_stalls() -> None:
+    machine = SchedulerMachine()
+    output = _one_request(machine)
+    machine.now = 100.0
+    while not output.closed:
+        machine.run_step()
+    assert not _failures(output)
+    assert output.tokens(0) == list(expected_tokens(output.spec.prompt_ids, 9))
+
+
+def test_a_lost_engine_fails_every_request_and_empties_the_prefix_cache() -> None:
+    machine = SchedulerMachine()
+    output = _one_request(machine)
+    assert machine.core.prefix_pins() > 0  # the request holds its prompt's path
+    stats = machine.core.prefix_stats
+    assert stats is not None
+    assert stats.tokens > 0
+    machine.engine_lost()
+    assert [(f.message, f.cause) for f in _failures(output)] == [
+        ("the engine process was lost", FailureCause.ENGINE)
+    ]
+    stats = machine.core.prefix_stats
+    assert stats is not None
+    assert stats.tokens == 0
+    assert stats.lookups == 0
+    assert machine.core.prefix_pins() == 0
+
+
+def test_prefix_pins_are_zero_with_the_cache_off() -> None:
+    core = SchedulerCore(
+        SchedulerConfig(eos_ids=frozenset({EOS})), SequenceEngine().info, guided=False
+    )
+    assert core.prefix_stats is None
+    assert core.prefix_pins() == 0
