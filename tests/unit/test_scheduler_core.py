@@ -38,7 +38,7 @@ from hypothesis.stateful import (
 )
 
 from sluiceway.actors import scheduler_core
-from sluiceway.actors.engine_work import execute
+from sluiceway.actors.engine_work import PrefillOutcome, execute
 from sluiceway.actors.scheduler_core import (
     CloseOutput,
     Deliver,
@@ -457,3 +457,26 @@ def test_prefix_pins_are_zero_with_the_cache_off() -> None:
     )
     assert core.prefix_stats is None
     assert core.prefix_pins() == 0
+
+
+def test_a_restore_that_fails_fails_its_request_and_frees_its_slot() -> None:
+    machine = SchedulerMachine()
+    output = _one_request(machine)
+    output.full = True
+    machine.run_step()  # paused, its row freed
+    output.full = False
+    machine.core.command(Resume(request_id=output.spec.request_id), machine.now)
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    (work,) = planned.plan.prefills  # the first chunk of its restore
+    assert not work.final
+    outcome = execute(machine.engine, planned.plan)  # type: ignore[arg-type]
+    outcome.prefills[0] = PrefillOutcome(error="out of memory")
+    machine.core.absorb(planned.plan, outcome)
+    machine.carry()
+    assert [(f.message, f.cause) for f in _failures(output)] == [
+        ("out of memory", FailureCause.ENGINE)
+    ]
+    assert output.closed == 1
+    assert machine.core.counters().running_rows == 0
+    assert machine.core.shutdown().frees == (work.slot,)
