@@ -110,7 +110,12 @@ def run(module: str, *, rerun: bool) -> None:
     jobs = os.environ.get("MUTATE_JOBS", "2")
     # A tenth of each property test's examples (tests/parsers/harness.py):
     # still dozens per test, and every mutant runs every test that reaches it.
-    environment = {**os.environ, "SLUICEWAY_SOAK": os.environ.get("SLUICEWAY_SOAK", "0.1")}
+    # tests/conftest.py's "mutate" profile: no shrinking, no example database.
+    environment = {
+        **os.environ,
+        "SLUICEWAY_SOAK": os.environ.get("SLUICEWAY_SOAK", "0.1"),
+        "SLUICEWAY_MUTATE": "1",
+    }
     subprocess.run(
         [str(MUTMUT), "run", *names, "--max-children", jobs],
         cwd=ROOT,
