@@ -52,6 +52,7 @@ from sluiceway.protocol.messages import (
     FinishChoice,
     GenerationRequest,
     Limits,
+    PromptCached,
     RequestFailed,
     RequestOutput,
     Resume,
@@ -480,3 +481,44 @@ def test_a_restore_that_fails_fails_its_request_and_frees_its_slot() -> None:
     assert output.closed == 1
     assert machine.core.counters().running_rows == 0
     assert machine.core.shutdown().frees == (work.slot,)
+
+
+def _cached(output: Output) -> list[int]:
+    return [m.tokens for m in output.messages if isinstance(m, PromptCached)]
+
+
+def test_a_finished_request_leaves_its_prompt_and_tokens_in_the_prefix_cache() -> None:
+    machine = SchedulerMachine()
+    first = _one_request(machine, max_tokens=4)
+    while not first.closed:
+        machine.run_step()
+    while not machine.core.quiet:
+        machine.run_step()  # the finished row's copy into the cache
+    prompt = first.spec.prompt_ids + tuple(first.tokens(0)) + (30,)
+    machine.submit(n=1, shared=False, own=list(prompt), max_tokens=1, slow=False)
+    second = machine.outputs["r1"]
+    while not second.closed:
+        machine.run_step()
+    (cached,) = _cached(second)
+    assert cached > len(first.spec.prompt_ids)  # its generated tokens too
+
+
+def test_a_failed_cache_edit_starts_the_prefix_cache_afresh(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    machine = SchedulerMachine()
+    output = _one_request(machine)
+    stats = machine.core.prefix_stats
+    assert stats is not None
+    assert stats.tokens > 0
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    outcome = execute(machine.engine, planned.plan)  # type: ignore[arg-type]
+    outcome.cache_error = "the copy failed"
+    with caplog.at_level("ERROR"):
+        machine.core.absorb(planned.plan, outcome)
+    assert "the copy failed; the prefix cache starts afresh" in caplog.messages
+    stats = machine.core.prefix_stats
+    assert stats is not None
+    assert stats.tokens == 0
+    assert not _failures(output)  # the requests go on
