@@ -45,6 +45,8 @@ from sluiceway.actors.scheduler_core import (
     SchedulerConfig,
     SchedulerCore,
 )
+from sluiceway.engines.grammar import every_token
+from sluiceway.protocol.constraints import Constraint, ConstraintKind
 from sluiceway.protocol.errors import ServiceUnavailable
 from sluiceway.protocol.messages import (
     Cancel,
@@ -500,7 +502,9 @@ def test_a_finished_request_leaves_its_prompt_and_tokens_in_the_prefix_cache() -
     while not second.closed:
         machine.run_step()
     (cached,) = _cached(second)
-    assert cached > len(first.spec.prompt_ids)  # its generated tokens too
+    # Its prompt and every token it generated but the last (never fed back,
+    # so the row has no KV for it).
+    assert cached == len(first.spec.prompt_ids) + len(first.tokens(0)) - 1
 
 
 def test_a_failed_cache_edit_starts_the_prefix_cache_afresh(
@@ -522,3 +526,55 @@ def test_a_failed_cache_edit_starts_the_prefix_cache_afresh(
     assert stats is not None
     assert stats.tokens == 0
     assert not _failures(output)  # the requests go on
+
+
+def _submit(machine: SchedulerMachine, name: str, **fields: object) -> Output:
+    """Submit a greedy request with these ``GenerationRequest`` fields."""
+    defaults: dict[str, object] = {
+        "sampling": SamplingParams(temperature=0.0),
+        "limits": Limits(max_tokens=9),
+    }
+    spec = GenerationRequest(
+        request_id=name,
+        prompt_ids=(1, 2, 3),
+        **(defaults | fields),  # type: ignore[arg-type]
+    )
+    output = machine.outputs[name] = Output(len(machine.outputs), spec)
+    machine.core.command(Submit(request=spec, output=output, backlog=output), machine.now)
+    return output
+
+
+def _started(machine: SchedulerMachine, *outputs: Output) -> None:
+    while not all(output.tokens(0) for output in outputs):
+        machine.run_step()
+
+
+def test_mask_needs_masks_eos_out_of_a_greedy_row_before_min_tokens() -> None:
+    machine = SchedulerMachine()
+    _submit(machine, "plain")
+    _submit(machine, "held", limits=Limits(max_tokens=9, min_tokens=5))
+    _started(machine, *machine.outputs.values())
+    needs = machine.core.mask_needs()
+    assert needs is not None
+    masks, guided, slots = needs
+    assert (guided, slots) == ([], [])
+    (slot,) = masks  # the plain row needs no mask
+    expected = every_token(machine.engine.info.vocab_size, but=(EOS,))
+    assert np.array_equal(masks[slot], expected)
+
+
+def test_mask_needs_leaves_other_rows_to_the_sampler() -> None:
+    sampled = SamplingParams(temperature=1.0)
+    for fields in (
+        {"sampling": sampled, "limits": Limits(max_tokens=9, min_tokens=5)},
+        {"constraint": Constraint(kind=ConstraintKind.JSON_OBJECT)},
+    ):
+        machine = SchedulerMachine()
+        _started(machine, _submit(machine, "r", **fields))
+        assert machine.core.mask_needs() is None, fields
+
+
+def test_mask_needs_asks_nothing_once_every_row_is_free() -> None:
+    machine = SchedulerMachine()
+    _started(machine, _submit(machine, "r", limits=Limits(max_tokens=9, min_tokens=1)))
+    assert machine.core.mask_needs() == ({}, [], [])
