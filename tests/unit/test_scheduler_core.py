@@ -575,6 +575,23 @@ def test_mask_needs_leaves_other_rows_to_the_sampler() -> None:
 
 
 def test_mask_needs_asks_nothing_once_every_row_is_free() -> None:
+    # Past min_tokens (from its first token on), a sampled row needs no mask.
     machine = SchedulerMachine()
-    _started(machine, _submit(machine, "r", limits=Limits(max_tokens=9, min_tokens=1)))
+    limits = Limits(max_tokens=9, min_tokens=1)
+    sampled = SamplingParams(temperature=1.0)
+    _started(machine, _submit(machine, "r", limits=limits, sampling=sampled))
     assert machine.core.mask_needs() == ({}, [], [])
+
+
+def test_memory_is_given_back_once_idle_for_the_configured_time() -> None:
+    machine = SchedulerMachine()
+    config = SchedulerConfig(eos_ids=frozenset({EOS}), release_memory_after=2.0)
+    machine.core = SchedulerCore(config, machine.engine.info, guided=False)
+    assert not machine.core.release_due(50.0)  # no work yet: nothing to give back
+    output = _one_request(machine, max_tokens=2)
+    while not (output.closed and machine.core.quiet):
+        machine.run_step()
+    assert machine.core.wake_after(60.0, poll=None) == 2.0
+    assert not machine.core.release_due(61.99)
+    assert machine.core.release_due(62.0)
+    assert not machine.core.release_due(62.0)  # given back once
