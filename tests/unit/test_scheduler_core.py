@@ -50,6 +50,7 @@ from sluiceway.protocol.constraints import Constraint, ConstraintKind
 from sluiceway.protocol.errors import ServiceUnavailable
 from sluiceway.protocol.messages import (
     Cancel,
+    ConstraintReport,
     FailureCause,
     FinishChoice,
     GenerationRequest,
@@ -416,6 +417,8 @@ def test_a_paused_request_ends_as_stalled_at_the_stall_timeout_and_not_before() 
     assert machine.core.counters().paused_requests == 1
     assert machine.core.wake_after(12.0, poll=None) == pytest.approx(3.0)
     assert machine.core.wake_after(12.0, poll=1.0) == 1.0
+    assert machine.core.wake_after(12.0, poll=0.25) == 0.25
+    assert machine.core.wake_after(16.0, poll=None) == 0.0  # overdue: at once
     machine.now = 10.0 + STALL_SECONDS - 0.01
     machine.run_step()
     assert not output.closed
@@ -595,3 +598,57 @@ def test_memory_is_given_back_once_idle_for_the_configured_time() -> None:
     assert not machine.core.release_due(61.99)
     assert machine.core.release_due(62.0)
     assert not machine.core.release_due(62.0)  # given back once
+
+
+def test_a_client_gone_ends_its_request_without_a_message() -> None:
+    machine = SchedulerMachine()
+    output = _one_request(machine)
+    (slot,) = machine.owners  # its one row
+    count = len(output.messages)
+    machine.core.client_gone("nobody")  # an unknown request: nothing happens
+    machine.core.client_gone(output.spec.request_id)
+    machine.carry()
+    assert output.closed == 1
+    assert len(output.messages) == count
+    assert machine.core.idle
+    assert machine.core.shutdown().frees == (slot,)
+
+
+def test_running_keys_are_every_choice_the_sampler_must_remember() -> None:
+    machine = SchedulerMachine()
+    machine.submit(n=2, shared=False, own=[5, 6], max_tokens=9, slow=False)
+    first = machine.outputs["r0"]
+    assert machine.core.running_keys() == set()  # waiting: nothing drawn yet
+    _started(machine, first)
+    assert machine.core.running_keys() == {("r0", 0), ("r0", 1)}
+    first.full = True
+    machine.run_step()  # paused
+    assert machine.core.counters().paused_requests == 1
+    assert machine.core.running_keys() == {("r0", 0), ("r0", 1)}
+    first.full = False
+    machine.core.command(Resume(request_id="r0"), machine.now)
+    planned = machine.core.plan({}, machine.now)  # being prefilled back
+    assert planned is not None
+    assert planned.plan.prefills
+    assert machine.core.running_keys() == {("r0", 0), ("r0", 1)}
+
+
+def test_a_failed_grammar_fails_its_request() -> None:
+    machine = SchedulerMachine()
+    _submit(machine, "a")
+    _submit(machine, "b")
+    _started(machine, *machine.outputs.values())
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    outcome = execute(machine.engine, planned.plan)  # type: ignore[arg-type]
+    batch = machine.core.absorb(planned.plan, outcome)
+    assert [row.request_id for row in machine.core.rows(batch.choices)] == ["a", "b"]
+    report = ConstraintReport(failed=((1, "the grammar failed"),))
+    machine.core.fail_constrained(batch.choices, report)
+    machine.core.fail_constrained(batch.choices, report)  # already ended: once
+    machine.carry()
+    a, b = machine.outputs["a"], machine.outputs["b"]
+    assert [f.message for f in _failures(b)] == ["the grammar failed"]
+    assert b.closed == 1
+    assert not _failures(a)
+    assert not a.closed
