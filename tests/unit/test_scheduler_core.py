@@ -39,11 +39,13 @@ from hypothesis.stateful import (
 
 from sluiceway.actors import scheduler_core
 from sluiceway.actors.engine_work import PrefillOutcome, execute
+from sluiceway.actors.sampling import Draw
 from sluiceway.actors.scheduler_core import (
     CloseOutput,
     Deliver,
     SchedulerConfig,
     SchedulerCore,
+    with_draws,
 )
 from sluiceway.engines.grammar import every_token
 from sluiceway.protocol.constraints import Constraint, ConstraintKind
@@ -652,3 +654,71 @@ def test_a_failed_grammar_fails_its_request() -> None:
     assert b.closed == 1
     assert not _failures(a)
     assert not a.closed
+
+
+def _guided_machine() -> SchedulerMachine:
+    """A machine whose core has the sampler's guides and draws (the engine
+    may pick guided and drawn rows' tokens)."""
+    machine = SchedulerMachine()
+    config = SchedulerConfig(eos_ids=frozenset({EOS}), max_num_seqs=CAPACITY)
+    machine.core = SchedulerCore(config, machine.engine.info, guided=True)
+    return machine
+
+
+def _draws(*uniforms: float) -> list[Draw]:
+    return [Draw(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, uniform=u) for u in uniforms]
+
+
+def test_the_engine_draws_the_tokens_of_unadjusted_sampled_rows() -> None:
+    machine = _guided_machine()
+    sampled = SamplingParams(temperature=1.0)
+    drawn = _submit(machine, "s", n=2, sampling=sampled)
+    _submit(machine, "g")  # greedy: its first token is a plain argmax, no draw
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    assert planned.plan.greedy
+    assert planned.drawn == []
+    assert {
+        name: [(r.choice, r.first) for r in rows] for name, rows in planned.starting.items()
+    } == {"s": [(0, True), (1, True)]}
+    first = _draws(0.1, 0.9)
+    plan = with_draws(planned, first)
+    assert plan.draws == {}
+    assert {work.request_id: work.draws for work in plan.prefills} == {"s": tuple(first), "g": ()}
+    batch = machine.core.absorb(plan, execute(machine.engine, plan))  # type: ignore[arg-type]
+    assert batch.greedy is not None
+    machine.core.deliver_samples(machine.core.decide(batch.choices, batch.greedy, batch.scores))
+    machine.carry()
+    assert drawn.tokens(0)
+    assert drawn.tokens(1)
+    planned = machine.core.plan({}, machine.now)  # now both rows of "s" decode, drawn
+    assert planned is not None
+    assert planned.plan.greedy
+    assert planned.starting == {}
+    slots = [choice.slot for choice, _ in planned.drawn]
+    assert [row.request_id for _, row in planned.drawn] == ["s", "s"]
+    later = _draws(0.2, 0.3)
+    assert with_draws(planned, later).draws == dict(zip(slots, later, strict=True))
+
+
+def test_rows_the_engine_cannot_pick_go_to_the_sampler() -> None:
+    # min_tokens: the first row suppresses EOS, which the engine's draw does not.
+    machine = _guided_machine()
+    limits = Limits(max_tokens=9, min_tokens=2)
+    _submit(machine, "s", sampling=SamplingParams(temperature=1.0), limits=limits)
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    assert not planned.plan.greedy
+    assert (planned.drawn, planned.starting) == ([], {})
+
+
+def test_a_greedy_constrained_row_is_picked_under_its_grammar_by_the_engine() -> None:
+    machine = _guided_machine()
+    constrained = _submit(machine, "c", constraint=Constraint(kind=ConstraintKind.JSON_OBJECT))
+    _started(machine, constrained)
+    needs = machine.core.mask_needs()
+    assert needs is not None
+    masks, rows, slots = needs
+    assert masks == {}
+    assert [row.request_id for row in rows] == ["c"]
+    assert slots == list(machine.owners)
