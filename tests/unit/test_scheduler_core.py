@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,7 +42,9 @@ from sluiceway.actors import scheduler_core
 from sluiceway.actors.engine_work import PrefillOutcome, execute
 from sluiceway.actors.sampling import Draw
 from sluiceway.actors.scheduler_core import (
+    RELEASE_INTERVAL_SECONDS,
     CloseOutput,
+    Counters,
     Deliver,
     SchedulerConfig,
     SchedulerCore,
@@ -556,7 +559,7 @@ def _started(machine: SchedulerMachine, *outputs: Output) -> None:
 
 def test_mask_needs_masks_eos_out_of_a_greedy_row_before_min_tokens() -> None:
     machine = SchedulerMachine()
-    _submit(machine, "plain")
+    _submit(machine, "plain", limits=Limits(max_tokens=9, min_tokens=1))  # past it at once
     _submit(machine, "held", limits=Limits(max_tokens=9, min_tokens=5))
     _started(machine, *machine.outputs.values())
     needs = machine.core.mask_needs()
@@ -594,12 +597,39 @@ def test_memory_is_given_back_once_idle_for_the_configured_time() -> None:
     machine.core = SchedulerCore(config, machine.engine.info, guided=False)
     assert not machine.core.release_due(50.0)  # no work yet: nothing to give back
     output = _one_request(machine, max_tokens=2)
+    assert machine.core.wake_after(55.0, poll=None) == math.inf  # busy: no release planned
     while not (output.closed and machine.core.quiet):
         machine.run_step()
     assert machine.core.wake_after(60.0, poll=None) == 2.0
     assert not machine.core.release_due(61.99)
     assert machine.core.release_due(62.0)
     assert not machine.core.release_due(62.0)  # given back once
+    # Work again: the next release waits the interval since the last one.
+    machine.submit(n=1, shared=False, own=[7], max_tokens=1, slow=False)
+    while not (machine.outputs["r1"].closed and machine.core.quiet):
+        machine.run_step()
+    assert machine.core.wake_after(63.0, poll=None) == 62.0 + RELEASE_INTERVAL_SECONDS - 63.0
+
+
+def test_counters_count_what_runs_and_what_its_rows_hold() -> None:
+    machine = SchedulerMachine()
+    machine.submit(n=1, shared=True, own=[20, 21], max_tokens=9, slow=False)
+    machine.run_step()  # the first chunk of its fourteen prompt tokens
+    machine.submit(n=1, shared=False, own=[5], max_tokens=9, slow=False)  # waits
+    assert machine.core.counters() == Counters(
+        running_requests=1, running_rows=0, free_rows=3, paused_requests=0, cached_tokens=8
+    )
+    first, second = machine.outputs["r0"], machine.outputs["r1"]
+    while len(first.tokens(0)) < 2 or not second.tokens(0):
+        machine.run_step()
+    counters = machine.core.counters()
+    assert counters.running_requests == 2
+    # Each running row holds its prompt and the tokens it generated.
+    held = [len(o.spec.prompt_ids) + len(o.tokens(0)) for o in (first, second)]
+    assert counters.cached_tokens == sum(held)
+    first.full = True
+    machine.run_step()
+    assert machine.core.counters().paused_requests == 1
 
 
 def test_a_client_gone_ends_its_request_without_a_message() -> None:
