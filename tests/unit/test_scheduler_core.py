@@ -561,14 +561,18 @@ def test_mask_needs_masks_eos_out_of_a_greedy_row_before_min_tokens() -> None:
     machine = SchedulerMachine()
     _submit(machine, "plain", limits=Limits(max_tokens=9, min_tokens=1))  # past it at once
     _submit(machine, "held", limits=Limits(max_tokens=9, min_tokens=5))
+    # ignore_eos: only its stop tokens are held back.
+    limits = Limits(max_tokens=9, min_tokens=5, ignore_eos=True, stop_token_ids=frozenset({29}))
+    _submit(machine, "stops", limits=limits)
     _started(machine, *machine.outputs.values())
     needs = machine.core.mask_needs()
     assert needs is not None
     masks, guided, slots = needs
     assert (guided, slots) == ([], [])
-    (slot,) = masks  # the plain row needs no mask
-    expected = every_token(machine.engine.info.vocab_size, but=(EOS,))
-    assert np.array_equal(masks[slot], expected)
+    held, stops = masks  # the plain row needs no mask
+    vocab = machine.engine.info.vocab_size
+    assert np.array_equal(masks[held], every_token(vocab, but=(EOS,)))
+    assert np.array_equal(masks[stops], every_token(vocab, but=(29,)))
 
 
 def test_mask_needs_leaves_other_rows_to_the_sampler() -> None:
@@ -674,7 +678,8 @@ def test_a_failed_grammar_fails_its_request() -> None:
     assert planned is not None
     outcome = execute(machine.engine, planned.plan)  # type: ignore[arg-type]
     batch = machine.core.absorb(planned.plan, outcome)
-    assert [row.request_id for row in machine.core.rows(batch.choices)] == ["a", "b"]
+    rows = machine.core.rows(batch.choices)
+    assert [(row.request_id, row.first) for row in rows] == [("a", False), ("b", False)]
     report = ConstraintReport(failed=((1, "the grammar failed"),))
     machine.core.fail_constrained(batch.choices, report)
     machine.core.fail_constrained(batch.choices, report)  # already ended: once
