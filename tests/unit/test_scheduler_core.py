@@ -757,3 +757,28 @@ def test_a_greedy_constrained_row_is_picked_under_its_grammar_by_the_engine() ->
     assert masks == {}
     assert [row.request_id for row in rows] == ["c"]
     assert slots == list(machine.owners)
+
+
+def test_a_request_cancelled_while_its_chunks_are_kept_lets_go_of_them() -> None:
+    # Cancelled while the engine copies its prompt chunk into the cache: the
+    # copy is linked and released; the other request's copy is kept for it.
+    machine = SchedulerMachine()
+    machine.submit(n=1, shared=False, own=[9, 8, 7, 6], max_tokens=2, slow=False)
+    machine.submit(n=1, shared=False, own=[5, 4, 3], max_tokens=2, slow=False)
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    assert [work.keep is not None for work in planned.plan.prefills] == [True, True]
+    machine.owners.update((work.slot, work.request_id) for work in planned.plan.prefills)
+    machine.core.command(Cancel(request_id="r0"), machine.now)
+    outcome = execute(machine.engine, planned.plan)  # type: ignore[arg-type]
+    batch = machine.core.absorb(planned.plan, outcome)
+    machine.core.deliver_samples(machine.core.decide(batch.choices, batch.greedy, batch.scores))
+    machine.carry()
+    while not (machine.outputs["r1"].closed and machine.core.quiet):
+        machine.run_step()
+    assert machine.core.prefix_pins() == 0
+    for prompt in ((9, 8, 7, 6, 1), (5, 4, 3, 1)):
+        machine.submit(n=1, shared=False, own=list(prompt), max_tokens=1, slow=False)
+    while not machine.core.quiet:
+        machine.run_step()
+    assert [_cached(machine.outputs[name]) for name in ("r2", "r3")] == [[4], [3]]
