@@ -782,3 +782,34 @@ def test_a_request_cancelled_while_its_chunks_are_kept_lets_go_of_them() -> None
     while not machine.core.quiet:
         machine.run_step()
     assert [_cached(machine.outputs[name]) for name in ("r2", "r3")] == [[4], [3]]
+
+
+def test_a_chunk_kept_beside_a_restore_is_kept() -> None:
+    # A restore's chunk keeps nothing; a new request's chunk in the same step does.
+    machine = SchedulerMachine()
+    machine.submit(n=1, shared=False, own=[20, 21], max_tokens=9, slow=False)
+    paused = machine.outputs["r0"]
+    _started(machine, paused)
+    paused.full = True
+    machine.run_step()  # paused
+    paused.full = False
+    machine.core.command(Resume(request_id=paused.spec.request_id), machine.now)
+    machine.submit(n=1, shared=False, own=[9, 8, 7], max_tokens=1, slow=False)
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    kinds = [(work.request_id, work.keep is not None) for work in planned.plan.prefills]
+    assert kinds == [("r0", False), ("r1", True)]
+    machine.owners.update((work.slot, work.request_id) for work in planned.plan.prefills)
+    machine.admitted.append(1)
+    outcome = execute(machine.engine, planned.plan)  # type: ignore[arg-type]
+    batch = machine.core.absorb(planned.plan, outcome)
+    machine.core.deliver_samples(machine.core.decide(batch.choices, batch.greedy, batch.scores))
+    machine.carry()
+    machine.core.command(Cancel(request_id="r1"), machine.now)  # before its row is kept
+    while not (paused.closed and machine.core.quiet):
+        machine.run_step()
+    assert machine.core.prefix_pins() == 0
+    machine.submit(n=1, shared=False, own=[9, 8, 7, 1], max_tokens=1, slow=False)
+    while not machine.core.quiet:
+        machine.run_step()
+    assert _cached(machine.outputs["r2"]) == [3]
