@@ -813,3 +813,22 @@ def test_a_chunk_kept_beside_a_restore_is_kept() -> None:
     while not machine.core.quiet:
         machine.run_step()
     assert _cached(machine.outputs["r2"]) == [3]
+
+
+def test_a_cancelled_row_leaves_only_its_prompt_in_the_prefix_cache() -> None:
+    # Only a row that ended normally gives its generated tokens to the cache.
+    machine = SchedulerMachine()
+    machine.submit(n=1, shared=False, own=[20, 21, 22], max_tokens=9, slow=False)
+    first = machine.outputs["r0"]
+    while len(first.tokens(0)) < 3:
+        machine.run_step()
+    first.cancelled = True
+    machine.core.command(Cancel(request_id="r0"), machine.now)
+    machine.carry()
+    while not machine.core.quiet:
+        machine.run_step()
+    prompt = first.spec.prompt_ids + tuple(first.tokens(0)) + (30,)
+    machine.submit(n=1, shared=False, own=list(prompt), max_tokens=1, slow=False)
+    while not machine.core.quiet:
+        machine.run_step()
+    assert _cached(machine.outputs["r1"]) == [len(first.spec.prompt_ids)]
