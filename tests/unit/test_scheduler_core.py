@@ -832,3 +832,78 @@ def test_a_cancelled_row_leaves_only_its_prompt_in_the_prefix_cache() -> None:
     while not machine.core.quiet:
         machine.run_step()
     assert _cached(machine.outputs["r1"]) == [len(first.spec.prompt_ids)]
+
+
+def test_a_draining_core_refuses_submissions_by_name() -> None:
+    machine = SchedulerMachine()
+    machine.core.drain()
+    spec = GenerationRequest(request_id="late", prompt_ids=(1,), limits=Limits(max_tokens=1))
+    with pytest.raises(ServiceUnavailable, match=r"^the server is shutting down$"):
+        machine.core.command(Submit(request=spec, output=Output(0, spec)), 0.0)
+
+
+def test_admission_reports_each_request_s_time_in_the_queue() -> None:
+    waited: list[float] = []
+    machine = SchedulerMachine()
+    config = SchedulerConfig(eos_ids=frozenset({EOS}), on_admitted=waited.append)
+    machine.core = SchedulerCore(config, machine.engine.info, guided=False)
+    machine.now = 1.0
+    machine.submit(n=1, shared=False, own=[5], max_tokens=1, slow=False)
+    machine.now = 3.5
+    machine.run_step()
+    assert waited == [2.5]
+
+
+def test_leaving_the_queue_or_a_prefill_is_counted_and_frees_its_rows() -> None:
+    machine = SchedulerMachine()
+    machine.submit(n=1, shared=False, own=[5], max_tokens=9, slow=False)
+    running = machine.outputs["r0"]
+    _started(machine, running)
+    machine.submit(n=2, shared=True, own=[20, 21], max_tokens=9, slow=False)  # two chunks
+    machine.run_step()  # its first chunk: two rows reserved
+    for own in ([5], [6]):
+        machine.submit(n=1, shared=False, own=own, max_tokens=9, slow=False)
+    assert machine.core.take_dequeued() == 2  # r0 and r1 left the queue
+    for name in ("r0", "r2", "r3", "r1"):
+        machine.outputs[name].cancelled = True
+        machine.core.command(Cancel(request_id=name), machine.now)
+    machine.carry()
+    assert machine.core.take_dequeued() == 2
+    assert all(output.closed == 1 for output in machine.outputs.values())
+    frees = machine.core.shutdown().frees
+    assert len(set(frees)) == len(frees) == 3  # r0's row and r1's two
+    assert set(machine.owners) < set(frees)
+
+
+def test_a_request_cancelled_while_being_restored_frees_the_restore_s_row() -> None:
+    machine = SchedulerMachine()
+    output = _one_request(machine)
+    output.full = True
+    machine.run_step()  # paused
+    output.full = False
+    machine.core.command(Resume(request_id=output.spec.request_id), machine.now)
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    (work,) = planned.plan.prefills  # the first chunk of its restore
+    machine.core.absorb(planned.plan, execute(machine.engine, planned.plan))  # type: ignore[arg-type]
+    machine.core.command(Cancel(request_id=output.spec.request_id), machine.now)
+    assert machine.core.shutdown().frees == (work.slot,)
+
+
+def test_a_choice_the_output_ended_gives_its_tokens_to_the_prefix_cache() -> None:
+    machine = SchedulerMachine()
+    machine.submit(n=1, shared=False, own=[20, 21, 22], max_tokens=9, slow=False)
+    first = machine.outputs["r0"]
+    while len(first.tokens(0)) < 3:
+        machine.run_step()
+    first.ended.add(0)
+    machine.core.command(FinishChoice(request_id="r0", choice=0), machine.now)
+    machine.carry()
+    assert first.closed == 1
+    while not machine.core.quiet:
+        machine.run_step()
+    prompt = first.spec.prompt_ids + tuple(first.tokens(0)) + (30,)
+    machine.submit(n=1, shared=False, own=list(prompt), max_tokens=1, slow=False)
+    while not machine.core.quiet:
+        machine.run_step()
+    assert _cached(machine.outputs["r1"]) == [len(prompt) - 2]
