@@ -8,6 +8,7 @@ cancellations, choices the output actor ends, engine loss, drain and the
 clock. After every rule it checks what the core promises:
 
 - the engine never holds more rows than ``max_num_seqs``;
+- a step prefills at most ``prefill_chunk_tokens`` prompt tokens;
 - each request ends exactly once, for one cause (finished, failed or
   cancelled), and nothing reaches its output after that;
 - no row is decoded once its choice ended;
@@ -76,6 +77,7 @@ from tests.unit.test_scheduler_prefix import (
 )
 
 CAPACITY = 4
+CHUNK = 8
 STALL_SECONDS = 5.0
 #: Prompts that share a prefix start with it (a system prompt, say).
 SHARED = tuple(range(1, 13))
@@ -140,7 +142,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         config = SchedulerConfig(
             eos_ids=frozenset({EOS}),
             max_num_seqs=CAPACITY,
-            prefill_chunk_tokens=8,
+            prefill_chunk_tokens=CHUNK,
             stall_timeout=STALL_SECONDS,
             prefix_cache_bytes=64 * BYTES_PER_TOKEN,
         )
@@ -207,6 +209,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         if planned is None:
             return set()
         plan = planned.plan
+        # A step prefills at most one chunk's worth of prompt, in non-empty pieces.
+        assert sum(len(work.tokens) for work in plan.prefills) <= CHUNK
+        assert all(work.tokens for work in plan.prefills)
         for work in plan.prefills:
             if work.request_id not in self.owners.values():
                 self.admitted.append(self.outputs[work.request_id].index)
@@ -907,3 +912,54 @@ def test_a_choice_the_output_ended_gives_its_tokens_to_the_prefix_cache() -> Non
     while not machine.core.quiet:
         machine.run_step()
     assert _cached(machine.outputs["r1"]) == [len(prompt) - 2]
+
+
+def test_each_step_fills_its_prefill_budget_in_arrival_order() -> None:
+    machine = SchedulerMachine()
+    for own in ([1] * 10, [2] * 10, [3] * 3):
+        machine.submit(n=1, shared=False, own=own, max_tokens=9, slow=False)
+    steps = []
+    for _ in range(3):
+        planned = machine.core.plan({}, machine.now)
+        assert planned is not None
+        steps.append([(w.request_id, len(w.tokens), w.final) for w in planned.plan.prefills])
+        outcome = execute(machine.engine, planned.plan)  # type: ignore[arg-type]
+        batch = machine.core.absorb(planned.plan, outcome)
+        if batch.choices:
+            assert batch.greedy is not None
+            machine.core.deliver_samples(
+                machine.core.decide(batch.choices, batch.greedy, batch.scores)
+            )
+        machine.carry()
+    assert steps == [
+        [("r0", 8, False)],
+        [("r0", 2, True), ("r1", 6, False)],
+        [("r1", 4, True), ("r2", 3, True)],
+    ]
+
+
+def test_a_deferred_final_chunk_does_not_hold_up_the_next_prompt() -> None:
+    machine = SchedulerMachine()
+    for own in ([1] * 10, [2] * 10, [3] * 3):
+        machine.submit(n=1, shared=False, own=own, max_tokens=9, slow=False)
+    for defer in (False, True):
+        planned = machine.core.plan({}, machine.now)
+        assert planned is not None
+        outcome = execute(machine.engine, planned.plan)  # type: ignore[arg-type]
+        if defer:  # r0's final chunk goes into the next step's forward pass
+            assert planned.plan.prefills[0].final
+            outcome.prefills[0] = PrefillOutcome(deferred=True)
+        machine.core.absorb(planned.plan, outcome)
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    prefills = [(w.request_id, len(w.tokens)) for w in planned.plan.prefills]
+    assert prefills == [("r1", 4), ("r2", 3)]
+
+
+def test_a_request_is_admitted_when_its_rows_just_fit() -> None:
+    machine = SchedulerMachine()
+    machine.submit(n=2, shared=False, own=[5], max_tokens=9, slow=False)
+    machine.submit(n=2, shared=False, own=[6], max_tokens=9, slow=False)
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    assert [w.request_id for w in planned.plan.prefills] == ["r0", "r1"]  # 2 + 2 rows of 4
