@@ -602,7 +602,9 @@ def test_mask_needs_asks_nothing_once_every_row_is_free() -> None:
 
 def test_memory_is_given_back_once_idle_for_the_configured_time() -> None:
     machine = SchedulerMachine()
-    config = SchedulerConfig(eos_ids=frozenset({EOS}), release_memory_after=2.0)
+    config = SchedulerConfig(
+        eos_ids=frozenset({EOS}), prefill_chunk_tokens=CHUNK, release_memory_after=2.0
+    )
     machine.core = SchedulerCore(config, machine.engine.info, guided=False)
     assert not machine.core.release_due(50.0)  # no work yet: nothing to give back
     output = _one_request(machine, max_tokens=2)
@@ -700,7 +702,9 @@ def _guided_machine() -> SchedulerMachine:
     """A machine whose core has the sampler's guides and draws (the engine
     may pick guided and drawn rows' tokens)."""
     machine = SchedulerMachine()
-    config = SchedulerConfig(eos_ids=frozenset({EOS}), max_num_seqs=CAPACITY)
+    config = SchedulerConfig(
+        eos_ids=frozenset({EOS}), max_num_seqs=CAPACITY, prefill_chunk_tokens=CHUNK
+    )
     machine.core = SchedulerCore(config, machine.engine.info, guided=True)
     return machine
 
@@ -850,7 +854,9 @@ def test_a_draining_core_refuses_submissions_by_name() -> None:
 def test_admission_reports_each_request_s_time_in_the_queue() -> None:
     waited: list[float] = []
     machine = SchedulerMachine()
-    config = SchedulerConfig(eos_ids=frozenset({EOS}), on_admitted=waited.append)
+    config = SchedulerConfig(
+        eos_ids=frozenset({EOS}), prefill_chunk_tokens=CHUNK, on_admitted=waited.append
+    )
     machine.core = SchedulerCore(config, machine.engine.info, guided=False)
     machine.now = 1.0
     machine.submit(n=1, shared=False, own=[5], max_tokens=1, slow=False)
