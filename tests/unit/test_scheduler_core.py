@@ -969,3 +969,29 @@ def test_a_request_is_admitted_when_its_rows_just_fit() -> None:
     planned = machine.core.plan({}, machine.now)
     assert planned is not None
     assert [w.request_id for w in planned.plan.prefills] == ["r0", "r1"]  # 2 + 2 rows of 4
+
+
+def test_a_step_with_masked_and_drawn_rows_is_the_engine_s_to_pick() -> None:
+    machine = _guided_machine()
+    held = _submit(machine, "held", limits=Limits(max_tokens=9, min_tokens=5))
+    plain = _submit(machine, "plain")
+    _started(machine, held, plain)  # first tokens by the sampler's argmax
+    drawn = _submit(machine, "s", sampling=SamplingParams(temperature=1.0))
+    _started(machine, drawn)
+    needs = machine.core.mask_needs()
+    assert needs is not None
+    masks, guided, _ = needs
+    assert guided == []
+    (held_slot,) = masks
+    planned = machine.core.plan(masks, machine.now)
+    assert planned is not None
+    assert planned.plan.greedy
+    assert planned.plan.masks == masks
+    assert [(row.request_id, row.first) for _, row in planned.drawn] == [("s", False)]
+    assert held_slot not in [choice.slot for choice, _ in planned.drawn]
+    # Without the masks, the held row needs the sampler: the step is not greedy.
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    assert not planned.plan.greedy
+    assert planned.plan.masks == {}
+    assert planned.drawn == []
