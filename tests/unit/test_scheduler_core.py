@@ -61,6 +61,7 @@ from sluiceway.protocol.messages import (
     FinishChoice,
     GenerationRequest,
     Limits,
+    LogprobParams,
     PromptCached,
     RequestFailed,
     RequestOutput,
@@ -418,7 +419,9 @@ def _failures(output: Output) -> list[RequestFailed]:
     return [m for m in output.messages if isinstance(m, RequestFailed)]
 
 
-def test_a_paused_request_ends_as_stalled_at_the_stall_timeout_and_not_before() -> None:
+def test_a_paused_request_ends_as_stalled_at_the_stall_timeout_and_not_before(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     machine = SchedulerMachine()
     output = _one_request(machine)
     output.full = True
@@ -434,9 +437,13 @@ def test_a_paused_request_ends_as_stalled_at_the_stall_timeout_and_not_before() 
     assert not output.closed
     assert not _failures(output)
     machine.now = 10.0 + STALL_SECONDS
-    machine.run_step()
+    with caplog.at_level("WARNING"):
+        machine.run_step()
     assert output.closed == 1
-    assert [f.cause for f in _failures(output)] == [FailureCause.STALLED]
+    assert [(f.message, f.cause) for f in _failures(output)] == [
+        ("the client stopped reading", FailureCause.STALLED)
+    ]
+    assert "request r0 stalled: its client stopped reading" in caplog.messages
 
 
 def test_a_reader_that_keeps_up_never_stalls() -> None:
@@ -544,14 +551,11 @@ def test_a_failed_cache_edit_starts_the_prefix_cache_afresh(
 def _submit(machine: SchedulerMachine, name: str, **fields: object) -> Output:
     """Submit a greedy request with these ``GenerationRequest`` fields."""
     defaults: dict[str, object] = {
+        "prompt_ids": (1, 2, 3),
         "sampling": SamplingParams(temperature=0.0),
         "limits": Limits(max_tokens=9),
     }
-    spec = GenerationRequest(
-        request_id=name,
-        prompt_ids=(1, 2, 3),
-        **(defaults | fields),  # type: ignore[arg-type]
-    )
+    spec = GenerationRequest(request_id=name, **(defaults | fields))  # type: ignore[arg-type]
     output = machine.outputs[name] = Output(len(machine.outputs), spec)
     machine.core.command(Submit(request=spec, output=output, backlog=output), machine.now)
     return output
@@ -995,3 +999,29 @@ def test_a_step_with_masked_and_drawn_rows_is_the_engine_s_to_pick() -> None:
     assert not planned.plan.greedy
     assert planned.plan.masks == {}
     assert planned.drawn == []
+
+
+def test_a_reader_that_caught_up_comes_back_before_one_still_behind() -> None:
+    machine = SchedulerMachine()
+    for own in ([5], [6]):
+        machine.submit(n=1, shared=False, own=own, max_tokens=9, slow=False)
+    behind, caught_up = machine.outputs["r0"], machine.outputs["r1"]
+    _started(machine, behind, caught_up)
+    behind.full = caught_up.full = True
+    machine.run_step()  # both paused
+    caught_up.full = False
+    machine.core.command(Resume(request_id="r1"), machine.now)
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    assert [w.request_id for w in planned.plan.prefills] == ["r1"]
+
+
+def test_a_request_for_prompt_logprobs_reuses_no_cached_prefix() -> None:
+    # Every prompt position is scored, so none comes from the cache.
+    machine = SchedulerMachine()
+    for name, logprobs in (("first", None), ("scored", 1), ("plain", None)):
+        output = _submit(machine, name, logprobs=LogprobParams(prompt_top=logprobs))
+        while not (output.closed and machine.core.quiet):
+            machine.run_step()
+    cached = {name: _cached(machine.outputs[name]) for name in ("first", "scored", "plain")}
+    assert cached == {"first": [], "scored": [], "plain": [2]}  # all of (1, 2, 3) but the last
