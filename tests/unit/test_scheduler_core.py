@@ -1025,3 +1025,45 @@ def test_a_request_for_prompt_logprobs_reuses_no_cached_prefix() -> None:
             machine.run_step()
     cached = {name: _cached(machine.outputs[name]) for name in ("first", "scored", "plain")}
     assert cached == {"first": [], "scored": [], "plain": [2]}  # all of (1, 2, 3) but the last
+
+
+def _prefills_of_a_step(machine: SchedulerMachine) -> list[tuple[str, int]]:
+    """Plan and run one step; its prefills (request, tokens)."""
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    machine.owners.update((w.slot, w.request_id) for w in planned.plan.prefills)
+    batch = machine.core.absorb(planned.plan, execute(machine.engine, planned.plan))  # type: ignore[arg-type]
+    if batch.choices:
+        assert batch.greedy is not None
+        machine.core.deliver_samples(machine.core.decide(batch.choices, batch.greedy, batch.scores))
+    machine.carry()
+    return [(w.request_id, len(w.tokens)) for w in planned.plan.prefills]
+
+
+def test_restores_share_each_step_s_prefill_budget_in_order() -> None:
+    machine = SchedulerMachine()
+    for _ in range(2):
+        machine.submit(n=1, shared=True, own=[20, 21], max_tokens=9, slow=False)
+    outputs = list(machine.outputs.values())
+    _started(machine, *outputs)
+    for output in outputs:
+        output.full = True
+    machine.run_step()  # both paused
+    for output in outputs:
+        output.full = False
+        machine.core.command(Resume(request_id=output.spec.request_id), machine.now)
+    # Each is prefilled back with its prompt and its tokens but the last, in
+    # order, CHUNK tokens a step.
+    left = {o.spec.request_id: len(o.spec.prompt_ids) + len(o.tokens(0)) - 1 for o in outputs}
+    expected = []
+    while any(left.values()):
+        budget, step = CHUNK, []
+        for name, count in left.items():
+            if count and budget:
+                take = min(count, budget)
+                step.append((name, take))
+                left[name] -= take
+                budget -= take
+        expected.append(step)
+    assert len(expected) > 2
+    assert [_prefills_of_a_step(machine) for _ in expected] == expected
