@@ -1067,3 +1067,28 @@ def test_restores_share_each_step_s_prefill_budget_in_order() -> None:
         expected.append(step)
     assert len(expected) > 2
     assert [_prefills_of_a_step(machine) for _ in expected] == expected
+
+
+def test_chunks_carry_their_targets_and_forks_only_where_asked() -> None:
+    # Prompt logprobs score each position against the next prompt token; the
+    # choices fork from the first row after the final chunk.
+    machine = SchedulerMachine()
+    prompt = tuple(range(1, 15))
+    _submit(machine, "scored", prompt_ids=prompt, n=2, logprobs=LogprobParams(prompt_top=1))
+    works = []
+    for _ in range(2):
+        planned = machine.core.plan({}, machine.now)
+        assert planned is not None
+        (work,) = planned.plan.prefills
+        works.append(work)
+        machine.core.absorb(planned.plan, execute(machine.engine, planned.plan))  # type: ignore[arg-type]
+    first, final = works
+    assert (first.tokens, first.targets, first.forks) == (prompt[:8], prompt[1:9], ())
+    assert (final.tokens, final.targets) == (prompt[8:], prompt[9:])
+    assert len(final.forks) == 1
+    assert final.forks[0] != final.slot
+    machine = SchedulerMachine()
+    _submit(machine, "plain", prompt_ids=prompt)
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    assert planned.plan.prefills[0].targets == ()
