@@ -568,12 +568,15 @@ def _started(machine: SchedulerMachine, *outputs: Output) -> None:
 
 def test_mask_needs_masks_eos_out_of_a_greedy_row_before_min_tokens() -> None:
     machine = SchedulerMachine()
-    _submit(machine, "plain", limits=Limits(max_tokens=9, min_tokens=1))  # past it at once
-    _submit(machine, "held", limits=Limits(max_tokens=9, min_tokens=5))
+    # Three short prompts, so that all three start in one step (one token each).
+    plain_limits = Limits(max_tokens=9, min_tokens=1)  # past it at its first token
+    _submit(machine, "plain", prompt_ids=(1, 2), limits=plain_limits)
+    _submit(machine, "held", prompt_ids=(4, 5), limits=Limits(max_tokens=9, min_tokens=5))
     # ignore_eos: only its stop tokens are held back.
     limits = Limits(max_tokens=9, min_tokens=5, ignore_eos=True, stop_token_ids=frozenset({29}))
-    _submit(machine, "stops", limits=limits)
+    _submit(machine, "stops", prompt_ids=(7, 8), limits=limits)
     _started(machine, *machine.outputs.values())
+    assert [len(output.tokens(0)) for output in machine.outputs.values()] == [1, 1, 1]
     needs = machine.core.mask_needs()
     assert needs is not None
     masks, guided, slots = needs
@@ -619,6 +622,7 @@ def test_memory_is_given_back_once_idle_for_the_configured_time() -> None:
     assert not machine.core.release_due(61.99)
     assert machine.core.release_due(62.0)
     assert not machine.core.release_due(62.0)  # given back once
+    assert machine.core.wake_after(63.0, poll=None) == math.inf  # no work since
     # Work again: the next release waits the interval since the last one.
     machine.submit(n=1, shared=False, own=[7], max_tokens=1, slow=False)
     while not (machine.outputs["r1"].closed and machine.core.quiet):
@@ -690,7 +694,11 @@ def test_a_failed_grammar_fails_its_request() -> None:
     outcome = execute(machine.engine, planned.plan)  # type: ignore[arg-type]
     batch = machine.core.absorb(planned.plan, outcome)
     rows = machine.core.rows(batch.choices)
-    assert [(row.request_id, row.first) for row in rows] == [("a", False), ("b", False)]
+    assert [(row.request_id, row.choice, row.first) for row in rows] == [
+        ("a", 0, False),
+        ("b", 0, False),
+    ]
+    assert [row.prompt_ids for row in rows] == [(1, 2, 3), (1, 2, 3)]
     report = ConstraintReport(failed=((1, "the grammar failed"),))
     machine.core.fail_constrained(batch.choices, report)
     machine.core.fail_constrained(batch.choices, report)  # already ended: once
@@ -758,6 +766,13 @@ def test_rows_the_engine_cannot_pick_go_to_the_sampler() -> None:
     assert planned is not None
     assert not planned.plan.greedy
     assert (planned.drawn, planned.starting) == ([], {})
+    # A constraint: the sampler's grammar picks the first token.
+    machine = _guided_machine()
+    json_object = Constraint(kind=ConstraintKind.JSON_OBJECT)
+    _submit(machine, "c", sampling=SamplingParams(temperature=1.0), constraint=json_object)
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    assert not planned.plan.greedy
 
 
 def test_a_greedy_constrained_row_is_picked_under_its_grammar_by_the_engine() -> None:
@@ -926,7 +941,7 @@ def test_a_choice_the_output_ended_gives_its_tokens_to_the_prefix_cache() -> Non
 
 def test_each_step_fills_its_prefill_budget_in_arrival_order() -> None:
     machine = SchedulerMachine()
-    for own in ([1] * 10, [2] * 10, [3] * 3):
+    for own in ([1] * 10, [2] * 10, [3] * 3, [4] * 5):
         machine.submit(n=1, shared=False, own=own, max_tokens=9, slow=False)
     steps = []
     for _ in range(3):
@@ -944,7 +959,7 @@ def test_each_step_fills_its_prefill_budget_in_arrival_order() -> None:
     assert steps == [
         [("r0", 8, False)],
         [("r0", 2, True), ("r1", 6, False)],
-        [("r1", 4, True), ("r2", 3, True)],
+        [("r1", 4, True), ("r2", 3, True), ("r3", 1, False)],
     ]
 
 
@@ -977,7 +992,8 @@ def test_a_request_is_admitted_when_its_rows_just_fit() -> None:
 
 def test_a_step_with_masked_and_drawn_rows_is_the_engine_s_to_pick() -> None:
     machine = _guided_machine()
-    held = _submit(machine, "held", limits=Limits(max_tokens=9, min_tokens=5))
+    limits_held = Limits(max_tokens=9, min_tokens=5)
+    held = _submit(machine, "held", limits=limits_held)
     plain = _submit(machine, "plain")
     _started(machine, held, plain)  # first tokens by the sampler's argmax
     drawn = _submit(machine, "s", sampling=SamplingParams(temperature=1.0))
@@ -993,8 +1009,17 @@ def test_a_step_with_masked_and_drawn_rows_is_the_engine_s_to_pick() -> None:
     assert planned.plan.masks == masks
     assert [(row.request_id, row.first) for _, row in planned.drawn] == [("s", False)]
     assert held_slot not in [choice.slot for choice, _ in planned.drawn]
+    assert [(row.choice, row.first) for _, row in planned.drawn] == [(0, False)]
     # Without the masks, the held row needs the sampler: the step is not greedy.
     planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    assert not planned.plan.greedy
+    assert planned.plan.masks == {}
+    assert planned.drawn == []
+    # A request starting with min_tokens needs the sampler too: the masks and
+    # the draws are left out, though the decoding rows could use them.
+    _submit(machine, "late", sampling=SamplingParams(temperature=1.0), limits=limits_held)
+    planned = machine.core.plan(masks, machine.now)
     assert planned is not None
     assert not planned.plan.greedy
     assert planned.plan.masks == {}
@@ -1092,3 +1117,47 @@ def test_chunks_carry_their_targets_and_forks_only_where_asked() -> None:
     planned = machine.core.plan({}, machine.now)
     assert planned is not None
     assert planned.plan.prefills[0].targets == ()
+
+
+def test_a_one_token_budget_still_prefills_a_token_a_step() -> None:
+    machine = SchedulerMachine()
+    config = SchedulerConfig(eos_ids=frozenset({EOS}), prefill_chunk_tokens=1)
+    machine.core = SchedulerCore(config, machine.engine.info, guided=False)
+    _submit(machine, "r", prompt_ids=(1, 2, 3))
+    assert [_prefills_of_a_step(machine) for _ in range(3)] == [[("r", 1)]] * 3
+
+
+def test_a_row_past_min_tokens_is_no_longer_held_back() -> None:
+    machine = SchedulerMachine()
+    early = _submit(machine, "early", prompt_ids=(1, 2), limits=Limits(max_tokens=9, min_tokens=2))
+    _submit(machine, "late", prompt_ids=(4, 5), limits=Limits(max_tokens=9, min_tokens=5))
+    _started(machine, *machine.outputs.values())
+    needs = machine.core.mask_needs()
+    assert needs is not None
+    assert len(needs[0]) == 2  # both held back at their first token
+    while len(early.tokens(0)) < 2:
+        machine.run_step()
+    needs = machine.core.mask_needs()
+    assert needs is not None
+    assert len(needs[0]) == 1  # only "late" now
+
+
+def test_sample_steps_count_and_carry_their_rows_and_live_keys() -> None:
+    machine = SchedulerMachine()
+    output = _submit(machine, "s", sampling=SamplingParams(temperature=1.0))
+    steps = []
+    for _ in range(2):
+        planned = machine.core.plan({}, machine.now)
+        assert planned is not None
+        batch = machine.core.absorb(planned.plan, execute(machine.engine, planned.plan))  # type: ignore[arg-type]
+        assert batch.greedy is None  # a sampled row: the sampler picks
+        step = machine.core.sample_step(batch)
+        steps.append(step.step)
+        assert step.rows == tuple(machine.core.rows(batch.choices))
+        assert step.live == frozenset({("s", 0)})
+        tokens = [int(t) for t in np.argmax(step.logits, axis=1)]
+        machine.core.deliver_samples(machine.core.decide(batch.choices, tokens, batch.scores))
+        machine.carry()
+    assert steps[1] == steps[0] + 1
+    assert steps[0] == 1
+    assert len(output.tokens(0)) == 2
