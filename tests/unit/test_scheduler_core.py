@@ -787,9 +787,11 @@ def test_a_greedy_constrained_row_is_picked_under_its_grammar_by_the_engine() ->
     assert slots == list(machine.owners)
 
 
-def test_a_request_cancelled_while_its_chunks_are_kept_lets_go_of_them() -> None:
-    # Cancelled while the engine copies its prompt chunk into the cache: the
-    # copy is linked and released; the other request's copy is kept for it.
+@pytest.mark.parametrize("first_copy", ["cancelled", "failed"])
+def test_a_chunk_copy_settles_whatever_became_of_the_one_before(first_copy: str) -> None:
+    # Two prompt chunks copied into the cache in one step; the first request
+    # is cancelled meanwhile (its copy is linked, then let go), or the engine
+    # fails to copy it (nothing linked). The second's copy is linked either way.
     machine = SchedulerMachine()
     machine.submit(n=1, shared=False, own=[9, 8, 7, 6], max_tokens=2, slow=False)
     machine.submit(n=1, shared=False, own=[5, 4, 3], max_tokens=2, slow=False)
@@ -797,19 +799,25 @@ def test_a_request_cancelled_while_its_chunks_are_kept_lets_go_of_them() -> None
     assert planned is not None
     assert [work.keep is not None for work in planned.plan.prefills] == [True, True]
     machine.owners.update((work.slot, work.request_id) for work in planned.plan.prefills)
-    machine.core.command(Cancel(request_id="r0"), machine.now)
     outcome = execute(machine.engine, planned.plan)  # type: ignore[arg-type]
+    if first_copy == "cancelled":
+        machine.core.command(Cancel(request_id="r0"), machine.now)
+    else:
+        outcome.prefills[0].kept = False
     batch = machine.core.absorb(planned.plan, outcome)
     machine.core.deliver_samples(machine.core.decide(batch.choices, batch.greedy, batch.scores))
+    for name in ("r0", "r1"):  # neither keeps a row: only the chunks are cached
+        machine.core.command(Cancel(request_id=name), machine.now)
     machine.carry()
-    while not (machine.outputs["r1"].closed and machine.core.quiet):
+    while not machine.core.quiet:
         machine.run_step()
     assert machine.core.prefix_pins() == 0
     for prompt in ((9, 8, 7, 6, 1), (5, 4, 3, 1)):
         machine.submit(n=1, shared=False, own=list(prompt), max_tokens=1, slow=False)
     while not machine.core.quiet:
         machine.run_step()
-    assert [_cached(machine.outputs[name]) for name in ("r2", "r3")] == [[4], [3]]
+    first_cached = [4] if first_copy == "cancelled" else []
+    assert [_cached(machine.outputs[name]) for name in ("r2", "r3")] == [first_cached, [3]]
 
 
 def test_a_chunk_kept_beside_a_restore_is_kept() -> None:
