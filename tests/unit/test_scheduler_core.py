@@ -44,6 +44,7 @@ from sluiceway.actors.engine_work import PrefillOutcome, execute
 from sluiceway.actors.sampling import Draw
 from sluiceway.actors.scheduler_core import (
     RELEASE_INTERVAL_SECONDS,
+    Batch,
     CloseOutput,
     Counters,
     Deliver,
@@ -58,6 +59,7 @@ from sluiceway.protocol.messages import (
     Cancel,
     ConstraintReport,
     FailureCause,
+    FinishCause,
     FinishChoice,
     GenerationRequest,
     Limits,
@@ -69,6 +71,8 @@ from sluiceway.protocol.messages import (
     SamplingParams,
     StepOutput,
     Submit,
+    TokenLogprob,
+    TokenSample,
 )
 from tests.unit.test_scheduler_prefix import (
     BYTES_PER_TOKEN,
@@ -1169,3 +1173,77 @@ def test_sample_steps_count_and_carry_their_rows_and_live_keys() -> None:
     assert steps[1] == steps[0] + 1
     assert steps[0] == 1
     assert len(output.tokens(0)) == 2
+
+
+def _decoding_batch(machine: SchedulerMachine) -> Batch:
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    return machine.core.absorb(planned.plan, execute(machine.engine, planned.plan))  # type: ignore[arg-type]
+
+
+def test_decide_ends_rows_for_each_cause_and_passes_logprobs_on() -> None:
+    machine = SchedulerMachine()
+    stop = expected_tokens((1, 2), 2)[1]  # "stop"'s second token
+    _submit(machine, "failed", prompt_ids=(4, 5))
+    _submit(
+        machine,
+        "stop",
+        prompt_ids=(1, 2),
+        limits=Limits(max_tokens=9, stop_token_ids=frozenset({stop})),
+    )
+    _submit(machine, "grammar", prompt_ids=(7, 8))
+    _started(machine, *machine.outputs.values())
+    batch = _decoding_batch(machine)
+    assert [c.request.spec.request_id for c in batch.choices] == ["failed", "stop", "grammar"]
+    machine.core.fail_constrained(batch.choices, ConstraintReport(failed=((0, "bad"),)))
+    tokens = [expected_tokens(c.request.spec.prompt_ids, 2)[1] for c in batch.choices]
+    scores = [None, TokenLogprob(logprob=-0.5), None]
+    decided = machine.core.decide(
+        batch.choices, tokens, scores, ConstraintReport(complete=frozenset({2}))
+    )
+    assert decided == {
+        "stop": [
+            TokenSample(
+                choice=0, token_id=tokens[1], logprob=scores[1], finish=FinishCause.STOP_TOKEN
+            )
+        ],
+        "grammar": [
+            TokenSample(choice=0, token_id=tokens[2], logprob=None, finish=FinishCause.GRAMMAR)
+        ],
+    }
+    machine.core.deliver_samples(decided)
+    machine.carry()
+    assert [machine.outputs[n].closed for n in ("failed", "stop", "grammar")] == [1, 1, 1]
+
+
+def test_samples_of_a_request_gone_meanwhile_are_dropped_and_the_others_delivered() -> None:
+    machine = SchedulerMachine()
+    gone, stays = _submit(machine, "gone", prompt_ids=(4, 5)), _submit(machine, "stays")
+    _started(machine, gone, stays)
+    batch = _decoding_batch(machine)
+    tokens = [expected_tokens(c.request.spec.prompt_ids, 2)[1] for c in batch.choices]
+    decided = machine.core.decide(batch.choices, tokens, batch.scores)
+    machine.core.command(Cancel(request_id="gone"), machine.now)
+    machine.core.deliver_samples(decided)
+    machine.carry()
+    assert len(gone.tokens(0)) == 1
+    assert len(stays.tokens(0)) == 2
+
+
+def test_a_restored_choice_resumes_with_exactly_its_tokens() -> None:
+    # run_step checks that the engine's sequence for each decoded row is its
+    # prompt and tokens: the restore must have fed back every token it had.
+    machine = SchedulerMachine()
+    output = _one_request(machine)
+    while len(output.tokens(0)) < 3:
+        machine.run_step()
+    output.full = True
+    machine.run_step()  # paused
+    output.full = False
+    machine.core.command(Resume(request_id=output.spec.request_id), machine.now)
+    for _ in range(20):  # a bounded number of steps: a restore gone wrong fails here
+        if len(output.tokens(0)) >= 6 or output.closed:
+            break
+        machine.run_step()
+    assert not _failures(output)
+    assert tuple(output.tokens(0)[:6]) == expected_tokens(output.spec.prompt_ids, 6)
