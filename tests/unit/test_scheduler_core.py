@@ -991,6 +991,13 @@ def test_a_deferred_final_chunk_does_not_hold_up_the_next_prompt() -> None:
     assert planned is not None
     prefills = [(w.request_id, len(w.tokens)) for w in planned.plan.prefills]
     assert prefills == [("r1", 4), ("r2", 3)]
+    # This step's outcome lacks the deferred chunk's (the engine lost it): r0 fails.
+    machine.core.absorb(planned.plan, execute(machine.engine, planned.plan))  # type: ignore[arg-type]
+    machine.carry()
+    assert [(f.message, f.cause) for f in _failures(machine.outputs["r0"])] == [
+        ("the engine lost this prefill", FailureCause.ENGINE)
+    ]
+    assert not _failures(machine.outputs["r1"])
 
 
 def test_a_request_is_admitted_when_its_rows_just_fit() -> None:
@@ -1183,21 +1190,32 @@ def _decoding_batch(machine: SchedulerMachine) -> Batch:
 
 def test_decide_ends_rows_for_each_cause_and_passes_logprobs_on() -> None:
     machine = SchedulerMachine()
-    stop = expected_tokens((1, 2), 2)[1]  # "stop"'s second token
-    _submit(machine, "failed", prompt_ids=(4, 5))
+    config = SchedulerConfig(eos_ids=frozenset({EOS}), max_num_seqs=8, prefill_chunk_tokens=CHUNK)
+    machine.core = SchedulerCore(config, machine.engine.info, guided=False)  # five rows at once
+    stop = expected_tokens((1,), 2)[1]  # "stop"'s second token
+    _submit(machine, "failed", prompt_ids=(4,))
     _submit(
         machine,
         "stop",
-        prompt_ids=(1, 2),
+        prompt_ids=(1,),
         limits=Limits(max_tokens=9, stop_token_ids=frozenset({stop})),
     )
-    _submit(machine, "grammar", prompt_ids=(7, 8))
+    _submit(machine, "grammar", prompt_ids=(7,))
+    _submit(machine, "eos", prompt_ids=(10,))
+    _submit(machine, "ignores", prompt_ids=(12,), limits=Limits(max_tokens=9, ignore_eos=True))
     _started(machine, *machine.outputs.values())
     batch = _decoding_batch(machine)
-    assert [c.request.spec.request_id for c in batch.choices] == ["failed", "stop", "grammar"]
+    assert [c.request.spec.request_id for c in batch.choices] == [
+        "failed",
+        "stop",
+        "grammar",
+        "eos",
+        "ignores",
+    ]
     machine.core.fail_constrained(batch.choices, ConstraintReport(failed=((0, "bad"),)))
-    tokens = [expected_tokens(c.request.spec.prompt_ids, 2)[1] for c in batch.choices]
-    scores = [None, TokenLogprob(logprob=-0.5), None]
+    tokens = [expected_tokens(c.request.spec.prompt_ids, 2)[1] for c in batch.choices[:3]]
+    tokens += [EOS, EOS]
+    scores = [None, TokenLogprob(logprob=-0.5), None, None, None]
     decided = machine.core.decide(
         batch.choices, tokens, scores, ConstraintReport(complete=frozenset({2}))
     )
@@ -1210,10 +1228,13 @@ def test_decide_ends_rows_for_each_cause_and_passes_logprobs_on() -> None:
         "grammar": [
             TokenSample(choice=0, token_id=tokens[2], logprob=None, finish=FinishCause.GRAMMAR)
         ],
+        "eos": [TokenSample(choice=0, token_id=EOS, logprob=None, finish=FinishCause.EOS)],
+        "ignores": [TokenSample(choice=0, token_id=EOS, logprob=None)],
     }
     machine.core.deliver_samples(decided)
     machine.carry()
-    assert [machine.outputs[n].closed for n in ("failed", "stop", "grammar")] == [1, 1, 1]
+    closed = [machine.outputs[n].closed for n in ("failed", "stop", "grammar", "eos", "ignores")]
+    assert closed == [1, 1, 1, 1, 0]
 
 
 def test_samples_of_a_request_gone_meanwhile_are_dropped_and_the_others_delivered() -> None:
@@ -1247,3 +1268,26 @@ def test_a_restored_choice_resumes_with_exactly_its_tokens() -> None:
         machine.run_step()
     assert not _failures(output)
     assert tuple(output.tokens(0)[:6]) == expected_tokens(output.spec.prompt_ids, 6)
+
+
+def test_a_batch_lines_up_scores_and_picks_with_its_rows() -> None:
+    # Rows without scores get None beside rows with; one block without the
+    # engine's picks leaves the whole batch to the sampler.
+    rows = [object() for _ in range(3)]
+    score = TokenLogprob(logprob=-1.0)
+    block = np.zeros((1, 4), dtype=np.float32)
+    for first, second, expected in (
+        (None, [score, score], [None, score, score]),
+        ([score], None, [score, None, None]),
+    ):
+        batch = Batch()
+        batch.add(rows[:1], block, np.array([1]), first)  # type: ignore[list-item]
+        batch.add(rows[1:], np.ones((2, 4), dtype=np.float32), np.array([2, 3]), second)  # type: ignore[list-item]
+        assert batch.scores == expected
+        assert batch.greedy == [1, 2, 3]
+        assert batch.logits().shape == (3, 4)
+    batch = Batch()
+    batch.add(rows[:1], block, np.array([1]), None)  # type: ignore[list-item]
+    assert batch.scores is None
+    batch.add(rows[1:2], block, None, None)  # type: ignore[list-item]
+    assert batch.greedy is None
