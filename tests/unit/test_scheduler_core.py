@@ -1291,3 +1291,54 @@ def test_a_batch_lines_up_scores_and_picks_with_its_rows() -> None:
     assert batch.scores is None
     batch.add(rows[1:2], block, None, None)  # type: ignore[list-item]
     assert batch.greedy is None
+
+
+def test_a_failed_prefill_fails_only_its_request() -> None:
+    machine = SchedulerMachine()
+    bad, good = _submit(machine, "bad", prompt_ids=(4,)), _submit(machine, "good")
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    assert [w.request_id for w in planned.plan.prefills] == ["bad", "good"]
+    outcome = execute(machine.engine, planned.plan)  # type: ignore[arg-type]
+    outcome.prefills[0] = PrefillOutcome(error="out of memory")
+    batch = machine.core.absorb(planned.plan, outcome)
+    machine.carry()
+    assert [(f.message, f.cause) for f in _failures(bad)] == [
+        ("out of memory", FailureCause.ENGINE)
+    ]
+    assert [c.request.spec.request_id for c in batch.choices] == ["good"]
+    assert not _failures(good)
+
+
+def test_a_failed_decode_fails_every_decoding_request() -> None:
+    machine = SchedulerMachine()
+    first, second = _submit(machine, "a", prompt_ids=(4,)), _submit(machine, "b")
+    _started(machine, first, second)
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    outcome = execute(machine.engine, planned.plan)  # type: ignore[arg-type]
+    outcome.decode, outcome.decode_error = None, "the engine crashed"
+    assert machine.core.absorb(planned.plan, outcome).choices == []
+    machine.carry()
+    for output in (first, second):
+        assert [f.message for f in _failures(output)] == ["the engine crashed"]
+
+
+def test_results_of_rows_that_left_during_the_step_are_dropped() -> None:
+    machine = SchedulerMachine()
+    names = ("a", "gone", "c")
+    outputs = [_submit(machine, name, prompt_ids=(4 + i,)) for i, name in enumerate(names)]
+    _started(machine, *outputs)
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    outcome = execute(machine.engine, planned.plan)  # type: ignore[arg-type]
+    assert outcome.decode is not None
+    assert outcome.decode_greedy is not None
+    outcome.decode_logprobs = [TokenLogprob(logprob=-float(i)) for i in range(3)]
+    machine.core.command(Cancel(request_id="gone"), machine.now)  # while the step ran
+    batch = machine.core.absorb(planned.plan, outcome)
+    kept = [0, 2]  # the rows of "a" and "c"
+    assert [c.request.spec.request_id for c in batch.choices] == ["a", "c"]
+    assert batch.greedy == [int(outcome.decode_greedy[i]) for i in kept]
+    assert np.array_equal(batch.logits(), np.asarray(outcome.decode.logits)[kept])
+    assert batch.scores == [outcome.decode_logprobs[i] for i in kept]
