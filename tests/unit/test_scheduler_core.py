@@ -25,7 +25,7 @@ from __future__ import annotations
 import ast
 import inspect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -1342,3 +1342,38 @@ def test_results_of_rows_that_left_during_the_step_are_dropped() -> None:
     assert batch.greedy == [int(outcome.decode_greedy[i]) for i in kept]
     assert np.array_equal(batch.logits(), np.asarray(outcome.decode.logits)[kept])
     assert batch.scores == [outcome.decode_logprobs[i] for i in kept]
+
+
+def test_the_prefix_cache_is_on_with_any_budget_and_kv_size() -> None:
+    info = SequenceEngine().info
+    for budget, per_token, on in ((1, 1, True), (0, 1, False), (64, 0, False)):
+        config = SchedulerConfig(eos_ids=frozenset({EOS}), prefix_cache_bytes=budget)
+        engine = replace(info, kv_bytes_per_token=per_token)
+        core = SchedulerCore(config, engine, guided=False)
+        assert (core.prefix_stats is not None) == on, (budget, per_token)
+
+
+def test_a_constrained_start_goes_to_the_sampler_without_guides() -> None:
+    machine = SchedulerMachine()  # guided=False: the engine cannot mask a grammar
+    _submit(machine, "c", constraint=Constraint(kind=ConstraintKind.JSON_OBJECT))
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    assert not planned.plan.greedy
+
+
+def test_sampled_results_of_rows_that_left_during_the_step_are_dropped() -> None:
+    machine = SchedulerMachine()
+    sampled = SamplingParams(temperature=1.0)
+    outputs = [
+        _submit(machine, n, prompt_ids=(4 + i,), sampling=sampled) for i, n in enumerate("ab")
+    ]
+    _started(machine, *outputs)
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    outcome = execute(machine.engine, planned.plan)  # type: ignore[arg-type]
+    assert outcome.decode_greedy is None
+    machine.core.command(Cancel(request_id="a"), machine.now)
+    batch = machine.core.absorb(planned.plan, outcome)
+    assert [c.request.spec.request_id for c in batch.choices] == ["b"]
+    assert batch.greedy is None
+    assert batch.scores is None
