@@ -1377,3 +1377,19 @@ def test_sampled_results_of_rows_that_left_during_the_step_are_dropped() -> None
     assert [c.request.spec.request_id for c in batch.choices] == ["b"]
     assert batch.greedy is None
     assert batch.scores is None
+
+
+def test_drawn_first_tokens_keep_the_logprobs_the_engine_reduced() -> None:
+    machine = _guided_machine()
+    sampled, logprobs = SamplingParams(temperature=1.0), LogprobParams(top=1)
+    _submit(machine, "s", n=2, sampling=sampled, logprobs=logprobs)
+    planned = machine.core.plan({}, machine.now)
+    assert planned is not None
+    draws = [replace(draw, top=1) for draw in _draws(0.1, 0.9)]
+    plan = with_draws(planned, draws)
+    outcome = execute(machine.engine, plan)  # type: ignore[arg-type]
+    first = outcome.prefills[0].first_logprobs
+    assert first is not None
+    batch = machine.core.absorb(plan, outcome)
+    assert batch.scores == first
+    assert all(score is not None for score in batch.scores)
