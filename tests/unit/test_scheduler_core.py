@@ -1385,7 +1385,7 @@ def test_drawn_first_tokens_keep_the_logprobs_the_engine_reduced() -> None:
     _submit(machine, "s", n=2, sampling=sampled, logprobs=logprobs)
     planned = machine.core.plan({}, machine.now)
     assert planned is not None
-    draws = [replace(draw, top=1) for draw in _draws(0.1, 0.9)]
+    draws = [draw._replace(top=1) for draw in _draws(0.1, 0.9)]
     plan = with_draws(planned, draws)
     outcome = execute(machine.engine, plan)  # type: ignore[arg-type]
     first = outcome.prefills[0].first_logprobs
