@@ -158,10 +158,12 @@ def score(names: list[str]) -> int:
         f"{'left':>5}  score"
     )
     total_killed = total_counted = 0
+    not_run: set[str] = set()
     for module in names:
         mine = {k: v for k, v in statuses.items() if module_of(k) == module}
-        if not mine:
+        if all(status == UNCHECKED for status in mine.values()):  # generated, never run
             print(f"{module:<{width}} not run")
+            not_run.add(module)
             continue
         counts = Counter(
             "equivalent"
@@ -190,7 +192,7 @@ def score(names: list[str]) -> int:
     others = sorted(
         f"{n}: {s}"
         for n, s in statuses.items()
-        if module_of(n) in names and s not in KILLED and s != "survived"
+        if module_of(n) in set(names) - not_run and s not in KILLED and s != "survived"
     )
     for line in others:
         print("not killed:", line)
