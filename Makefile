@@ -99,7 +99,7 @@ test:
 test-clients: $(TORCH_STAMP) clients
 	$(PYTEST) -m client $(PYTEST_ARGS)
 
-# Mutation testing of the parsers (scripts/mutate.py, docs/testing.md): not
+# Mutation testing of the core (scripts/mutate.py, docs/testing.md): not
 # part of CI, it takes a while. mutmut comes from the `mutate` extra, at the
 # lock's pins, so that `make test` never installs it. `make mutate
 # ARGS=stop` runs one module; `ARGS=--score` only prints the last scores.

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 
 from sluiceway.engines.default_model import default_model_dir
 from tests.e2e.scripts import ALL_SCRIPTS
@@ -18,6 +18,13 @@ from tests.fixtures.scripted_model import ScriptedModel, build_scripted_model
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+# `make mutate` (scripts/mutate.py) asks only whether a test fails: no
+# shrinking (a failing state machine shrinks for longer than mutmut waits,
+# and the mutant would count as a timeout), and no example database (a
+# verdict must not depend on what failed for an earlier mutant).
+settings.register_profile("mutate", phases=[Phase.explicit, Phase.generate], database=None)
+if os.environ.get("SLUICEWAY_MUTATE"):
+    settings.load_profile("mutate")
 
 
 @pytest.fixture(params=["asyncio", "trio"])

@@ -424,11 +424,14 @@ def run_pipeline(
 
 
 def chunk_texts(run: PipelineRun) -> Routed:
-    """What a client reconstructs from the deltas (checks tool-call deltas too)."""
+    """What a client reconstructs from the deltas (checks tool-call deltas too:
+    a call's name comes first and once, and a chunk holds one fragment per call)."""
     routed = Routed()
     for _, chunk in run.all_chunks():
         routed.reasoning += chunk.reasoning
         routed.content += chunk.content
+        indices = [fragment.index for fragment in chunk.tool_calls]
+        assert len(set(indices)) == len(indices), "a chunk carries one call in two fragments"
         for fragment in chunk.tool_calls:
             if fragment.name is not None:
                 assert fragment.index not in routed.calls, "a call's name came twice"
@@ -561,6 +564,32 @@ def assert_contract(run: PipelineRun, expected: Routed | None = None) -> None:
     for channel in VISIBLE_CHANNELS:
         order = [t for _, chunk in chunks for t in chunk.tokens(channel)]
         assert order == sorted(order)
+    assert_content_offsets(run)
+
+
+def assert_content_offsets(run: PipelineRun) -> None:
+    """Each content entry's offset in its chunk's content: where the token's
+    first character sits there, else (a markup token) where the first
+    character of a later token does, else the end (``Chunk``'s contract),
+    worked out from the owners of the routed content characters."""
+    owners = [
+        event.token
+        for step in run.events
+        for event in step
+        if isinstance(event, Span) and event.channel is Channel.CONTENT
+        for _ in event.text
+    ]
+    start = 0
+    for _, chunk in run.all_chunks():
+        here = owners[start : start + len(chunk.content)]
+        start += len(chunk.content)
+        for token, offset in zip(chunk.content_tokens, chunk.content_offsets, strict=True):
+            expected = next(
+                (i for i, owner in enumerate(here) if owner == token),
+                next((i for i, owner in enumerate(here) if owner > token), len(here)),
+            )
+            assert offset == expected, f"token {token}: content offset {offset}, not {expected}"
+    assert start == len(owners)
 
 
 # -- document pieces ---------------------------------------------------------

@@ -86,3 +86,46 @@ def test_a_cut_off_object_is_closed_around_its_prefix(value: dict[str, Any], cut
 )
 def test_repairs(text: str, expected: dict[str, Any]) -> None:
     assert json.loads(guarded([text])) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # Numbers: JSON's grammar, cut where it stops, completed where it cannot end.
+        ('{"a": 01}', '{"a": 0}'),  # no leading zero: the "1" is trailing text
+        ('{"a": -01}', '{"a": -0}'),
+        ('{"a": -x}', '{"a": -0}'),  # a sign needs a digit
+        ('{"a": 1.x}', '{"a": 1.0}'),  # a point needs a digit
+        ('{"a": 1E5}', '{"a": 1E5}'),
+        ('{"a": 1e+5}', '{"a": 1e+5}'),
+        ('{"a": 1X}', '{"a": 1}'),
+        ('{"a": 1eX}', '{"a": 1e0}'),  # an exponent needs a digit
+        ('{"a": 1e5-}', '{"a": 1e5}'),  # a sign only right after the "e"
+        # A literal cut by a character it does not have is completed; what
+        # follows is read on.
+        ('{"a": tru, "b": 1}', '{"a": true, "b": 1}'),
+        ('{"a": [nul]}', '{"a": [null]}'),
+        # Where a colon, a comma or a close must come and does not (the
+        # whitespace before went out already).
+        ('{"a" 1}', '{"a" : null}'),
+        ('{"a": 1 2}', '{"a": 1 }'),
+        ('{"a": [1 x]}', '{"a": [1 ]}'),
+        # Control characters: the short escapes where JSON has one, else \u.
+        ('{"c": "a\nb\tc"}', '{"c": "a\\nb\\tc"}'),
+        ('{"c": "\x01\x1f"}', '{"c": "\\u0001\\u001f"}'),
+        # A \u escape takes exactly four hex digits.
+        ('{"u": "\\u12u1"}', '{"u": "\\\\u12u1"}'),
+        ('{"u": "\\u00e9x"}', '{"u": "\\u00e9x"}'),
+    ],
+)
+def test_repairs_to_the_letter(text: str, expected: str) -> None:
+    assert guarded([text]) == expected
+    assert guarded(list(text)) == expected
+    json.loads(expected)
+
+
+def test_a_finished_guard_closes_once() -> None:
+    guard = ObjectGuard()
+    assert guard.feed('{"a": [1') == '{"a": [1'
+    assert guard.finish() == "]}"
+    assert guard.finish() == ""

@@ -149,6 +149,7 @@ def test_scanner_holds_only_a_possible_marker_start() -> None:
     scanner = MarkerScanner(MarkerSet(["<think>"]))
     assert scanner.feed(0, "a<") == [OwnedText(0, "a")]
     assert scanner.held_from == 0
+    assert scanner.holding  # one character held is holding
     assert scanner.feed(1, "b") == [OwnedText(0, "<"), OwnedText(1, "b")]
     assert scanner.held_from is None
     assert not scanner.holding
