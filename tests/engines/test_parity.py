@@ -28,6 +28,9 @@ from tests.engines.helpers import (
 )
 
 STEPS = 12
+#: The compiled engine's first steps compile its buckets (a minute or more
+#: each on a cold Inductor cache on a 2-core host).
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(params=[*ENGINES, "transformers-compiled"])
