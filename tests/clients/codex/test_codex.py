@@ -142,6 +142,8 @@ def test_codex_exec_runs_a_tool_loop(
     check_loop(run(codex, long_scripted.path, tmp_path), FINAL_ANSWER)
 
 
+#: Its model trains on first use (a minute or two on a busy 2-core host).
+@pytest.mark.timeout(1200)
 def test_codex_exec_runs_a_tool_loop_on_harmony(
     codex: Path, harmony: HarmonyModel, tmp_path: Path
 ) -> None:
