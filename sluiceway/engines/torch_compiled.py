@@ -43,7 +43,9 @@ from typing import Any
 
 import torch
 from torch.fx.experimental import _config as shapes_config
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
+
+from sluiceway.engines.torch_packed import ReadyLayer
 
 logger = logging.getLogger(__name__)
 
@@ -72,23 +74,18 @@ def bucket_for(rows: int, buckets: Sequence[int] = BUCKETS) -> int | None:
     return next((bucket for bucket in buckets if bucket >= rows), None)
 
 
-class _IndexLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
+class _IndexLayer(ReadyLayer):  # type: ignore[no-untyped-call]
     """One layer's window, written at a position given as a tensor."""
 
-    is_sliding = False
     is_compileable = True
 
     def __init__(
         self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, time: int
     ) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.keys, self.values, self.index = keys, values, index
         self._keys, self._values = keys, values  # typed: never None
         self._time = time
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        return None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any

@@ -158,19 +158,27 @@ def attend(
     return torch.cat(parts, dim=1).contiguous()
 
 
-class _StoreLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
-    """One layer of a :class:`Store` seen through transformers' cache-layer API."""
+class ReadyLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
+    """A full-attention cache layer whose buffers exist before the forward:
+    transformers' lazy initialisation is a no-op for it."""
 
     is_sliding = False
 
-    def __init__(self, store: Store, layer: int) -> None:
+    def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self._store = store
-        self._layer = layer
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
+
+
+class _StoreLayer(ReadyLayer):  # type: ignore[no-untyped-call]
+    """One layer of a :class:`Store` seen through transformers' cache-layer API."""
+
+    def __init__(self, store: Store, layer: int) -> None:
+        super().__init__()
+        self._store = store
+        self._layer = layer
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
