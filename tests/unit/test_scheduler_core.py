@@ -513,13 +513,27 @@ def _cached(output: Output) -> list[int]:
     return [m.tokens for m in output.messages if isinstance(m, PromptCached)]
 
 
+def _settle(machine: SchedulerMachine) -> None:
+    """Run steps until nothing is left to do."""
+    while not machine.core.quiet:
+        machine.run_step()
+
+
+def _three_tokens_in(machine: SchedulerMachine) -> Output:
+    """Request r0 (three prompt tokens, up to nine new), three tokens into its reply."""
+    machine.submit(n=1, shared=False, own=[20, 21, 22], max_tokens=9, slow=False)
+    first = machine.outputs["r0"]
+    while len(first.tokens(0)) < 3:
+        machine.run_step()
+    return first
+
+
 def test_a_finished_request_leaves_its_prompt_and_tokens_in_the_prefix_cache() -> None:
     machine = SchedulerMachine()
     first = _one_request(machine, max_tokens=4)
     while not first.closed:
         machine.run_step()
-    while not machine.core.quiet:
-        machine.run_step()  # the finished row's copy into the cache
+    _settle(machine)  # the finished row's copy into the cache
     prompt = first.spec.prompt_ids + tuple(first.tokens(0)) + (30,)
     machine.submit(n=1, shared=False, own=list(prompt), max_tokens=1, slow=False)
     second = machine.outputs["r1"]
@@ -813,13 +827,11 @@ def test_a_chunk_copy_settles_whatever_became_of_the_one_before(first_copy: str)
     for name in ("r0", "r1"):  # neither keeps a row: only the chunks are cached
         machine.core.command(Cancel(request_id=name), machine.now)
     machine.carry()
-    while not machine.core.quiet:
-        machine.run_step()
+    _settle(machine)
     assert machine.core.prefix_pins() == 0
     for prompt in ((9, 8, 7, 6, 1), (5, 4, 3, 1)):
         machine.submit(n=1, shared=False, own=list(prompt), max_tokens=1, slow=False)
-    while not machine.core.quiet:
-        machine.run_step()
+    _settle(machine)
     first_cached = [4] if first_copy == "cancelled" else []
     assert [_cached(machine.outputs[name]) for name in ("r2", "r3")] == [first_cached, [3]]
 
@@ -850,27 +862,21 @@ def test_a_chunk_kept_beside_a_restore_is_kept() -> None:
         machine.run_step()
     assert machine.core.prefix_pins() == 0
     machine.submit(n=1, shared=False, own=[9, 8, 7, 1], max_tokens=1, slow=False)
-    while not machine.core.quiet:
-        machine.run_step()
+    _settle(machine)
     assert _cached(machine.outputs["r2"]) == [3]
 
 
 def test_a_cancelled_row_leaves_only_its_prompt_in_the_prefix_cache() -> None:
     # Only a row that ended normally gives its generated tokens to the cache.
     machine = SchedulerMachine()
-    machine.submit(n=1, shared=False, own=[20, 21, 22], max_tokens=9, slow=False)
-    first = machine.outputs["r0"]
-    while len(first.tokens(0)) < 3:
-        machine.run_step()
+    first = _three_tokens_in(machine)
     first.cancelled = True
     machine.core.command(Cancel(request_id="r0"), machine.now)
     machine.carry()
-    while not machine.core.quiet:
-        machine.run_step()
+    _settle(machine)
     prompt = first.spec.prompt_ids + tuple(first.tokens(0)) + (30,)
     machine.submit(n=1, shared=False, own=list(prompt), max_tokens=1, slow=False)
-    while not machine.core.quiet:
-        machine.run_step()
+    _settle(machine)
     assert _cached(machine.outputs["r1"]) == [len(first.spec.prompt_ids)]
 
 
@@ -934,20 +940,15 @@ def test_a_request_cancelled_while_being_restored_frees_the_restore_s_row() -> N
 
 def test_a_choice_the_output_ended_gives_its_tokens_to_the_prefix_cache() -> None:
     machine = SchedulerMachine()
-    machine.submit(n=1, shared=False, own=[20, 21, 22], max_tokens=9, slow=False)
-    first = machine.outputs["r0"]
-    while len(first.tokens(0)) < 3:
-        machine.run_step()
+    first = _three_tokens_in(machine)
     first.ended.add(0)
     machine.core.command(FinishChoice(request_id="r0", choice=0), machine.now)
     machine.carry()
     assert first.closed == 1
-    while not machine.core.quiet:
-        machine.run_step()
+    _settle(machine)
     prompt = first.spec.prompt_ids + tuple(first.tokens(0)) + (30,)
     machine.submit(n=1, shared=False, own=list(prompt), max_tokens=1, slow=False)
-    while not machine.core.quiet:
-        machine.run_step()
+    _settle(machine)
     assert _cached(machine.outputs["r1"]) == [len(prompt) - 2]
 
 
