@@ -33,6 +33,8 @@ from loadgen import Target
 DEFAULT_PEERS = {
     "transformers": ("vllm", "vllm-eager-f32", "llama-f32", "llama-q8"),
     "mlx": ("mlx_lm.server",),
+    # Ours with --engine vllm: vLLM's own server on the same engine and defaults.
+    "vllm": ("vllm",),
 }
 ALL_PEERS = ("vllm", "vllm-eager-f32", "llama-f32", "llama-q8", "transformers serve")
 #: Their names in the report.

@@ -149,7 +149,7 @@ def section_table(section: Section, settings: Settings) -> list[str]:
         how = "sampling at temperature 1" if settings.bare_samples else "argmax"
         lines += [f"Bare engine (plain decode loop, {how}, no server): {cells}.", ""]
     elif section.bare_failure:
-        lines += [f"Bare engine failed: `{section.bare_failure[-200:]}`", ""]
+        lines += [f"No bare engine figures: {section.bare_failure[-200:]}", ""]
     lines += [
         "| server | conc | tok/s | decode tok/s | bare tok/s | tok/s ÷ bare | decode ÷ bare "
         "| TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tok/req | errors "
@@ -236,6 +236,23 @@ def ahead_line(ours: ServerRun | None, peer: ServerRun) -> str:
     )
 
 
+def ttft_line(ours: ServerRun, peer: ServerRun) -> str:
+    """TTFT p50 no worse than the peer's at every concurrency (the reported rounds)."""
+    worse, cells = [], []
+    for level in ours.levels:
+        theirs = peer.level(level.concurrency)
+        if theirs is None or not theirs.samples:
+            continue
+        mine, other = level.ttft(50), theirs.ttft(50)
+        cells.append(f"c={level.concurrency}: {ms(mine)} / {ms(other)} ms")
+        if mine > other:
+            worse.append(f"c={level.concurrency}")
+    return (
+        f"TTFT p50 no worse than {peer.server} (ours / theirs): {verdict(not worse)} "
+        f"({', '.join(cells)})" + (f"; worse at {', '.join(worse)}" if worse else "")
+    )
+
+
 def side_by_side(sections: Sequence[Section]) -> list[str]:
     """Ours and every peer per concurrency: tok/s (ours ÷ theirs, the median
     of the rounds' ratios) and TTFT p50."""
@@ -289,6 +306,8 @@ def targets(sections: Sequence[Section]) -> list[str]:
                 )
         for peer in section.peers:
             lines.append(f"- {name}: {ahead_line(ours, peer)}")
+            if ours is not None and peer.levels:
+                lines.append(f"- {name}: {ttft_line(ours, peer)}")
         if ours is not None:
             errors = sum(level.errors for level in ours.levels)
             failed = ours.failure is not None

@@ -26,13 +26,19 @@ One command builds (once, cached) the models, then for each engine:
   ``--peers`` picks others (``transformers serve``, run from a venv under
   /tmp created on first use that adds FastAPI and Uvicorn to this one's).
 
+``--engine vllm`` races our server over vLLM's engine (``sluiceway serve
+--engine vllm``) against vLLM's own OpenAI server, both from the vLLM
+environment (``--vllm-python``) at their defaults (compiled, ``--dtype
+auto``), the same engine underneath: there is no bare loop there, and each
+level's rounds take turns server against server.
+
 on two models: ``large``, a ~42M-parameter random Qwen3 (compute dominates)
 and ``tiny``, the embedded default model (server overhead dominates). It
 prints one markdown report (and writes it to ``--output``): tokens/s, TTFT
 and inter-token latency percentiles, errors, our ratio to the bare engine,
 the targets met or missed, and our pipeline's cost per streamed token.
 
-    .venv/bin/python bench/serve.py [--engine transformers|mlx|both] [--quick]
+    .venv/bin/python bench/serve.py [--engine transformers|mlx|vllm|both] [--quick]
         [--models large tiny] [--concurrency 1 4 16 64] [--no-peers] [--trace]
         [--server-args='--engine-process'] [--server-env K=V ...]
         [--load greedy|sampled|top5] [--body JSON] [--keep-logs]
@@ -205,8 +211,13 @@ def server_command(
     setup: PeerSetup | None = None,
 ) -> list[str]:
     if server == OURS:
+        python = PYTHON
+        if engine == "vllm":  # our server over vLLM's engine, from the vLLM environment
+            assert setup is not None
+            assert setup.vllm_python is not None
+            python = setup.vllm_python
         launcher = (
-            [PYTHON, str(HERE / "trace_server.py"), trace] if trace else [PYTHON, "-m", "sluiceway"]
+            [PYTHON, str(HERE / "trace_server.py"), trace] if trace else [python, "-m", "sluiceway"]
         )
         return [
             *launcher,
@@ -340,9 +351,21 @@ class BareEngine:
             self._process.wait()
 
 
+#: Why the vLLM section has no bare loop (stated in its report).
+NO_VLLM_BARE = (
+    "none on vLLM's engine: sluiceway and vLLM's own server run the same AsyncLLM, "
+    "so they are raced against each other"
+)
+
+
 def start_bare(section: Section, settings: Settings) -> BareEngine | None:
     """Start the bare engine and measure every batch size: the best of
-    ``bare_repeats``, each repeated while other processes were busy."""
+    ``bare_repeats``, each repeated while other processes were busy. vLLM's
+    engine has none: ours and vLLM's own server run the same engine, so the
+    race there is server against server."""
+    if section.engine == "vllm":
+        section.bare_failure = NO_VLLM_BARE
+        return None
     try:
         bare = BareEngine(section, settings)
     except RuntimeError as error:
@@ -426,7 +449,7 @@ def start_server(
         stderr=subprocess.STDOUT,
         env=env_for(section.engine, settings.openblas)
         | (dict(settings.server_env) if server == OURS else {})
-        | (peers.VLLM_ENVIRONMENT if server.startswith("vllm") else {}),
+        | (peers.VLLM_ENVIRONMENT if uses_vllm(server, section.engine) else {}),
         cwd=tempfile.gettempdir(),
     )
     # The same prompts, in the same order, for every server.
@@ -434,6 +457,11 @@ def start_server(
     target = target_for(server, port, section.model.path, settings.body)
     run = ServerRun(peers.label(server), about=describe_peer(server, command, setup))
     return Server(run, process, target, log, prompts, trace, settings.keep_logs)
+
+
+def uses_vllm(server: str, engine: str) -> bool:
+    """Whether the server runs vLLM's engine: vLLM's own, or ours over it."""
+    return server.startswith("vllm") or (server == OURS and engine == "vllm")
 
 
 def describe_peer(server: str, command: list[str], setup: PeerSetup | None) -> str:
@@ -492,7 +520,7 @@ def run_servers(
     median round (ours: by decode ÷ bare; a peer: by tok/s)."""
     for concurrency in settings.concurrency:
         paired = bare if concurrency in BARE_BATCHES else None
-        rounds = rounds_at(settings, concurrency) if paired is not None else 1
+        rounds = rounds_at(settings, concurrency)
         results: dict[str, list[tuple[float, Measured]]] = {}
         for _ in range(rounds):
             for server in servers:
@@ -647,10 +675,21 @@ def measure_level(
     return best
 
 
+def warm_up_waves(highest: int) -> list[int]:
+    """The warm-up's wave sizes: every power of two below ``highest``, then
+    ``highest``. Each wave's streams start and end together, so it runs one
+    batch size; a server with ``--compile on`` compiles each batch bucket on
+    its first step (seconds to a minute), which must not land in a measured
+    round (vLLM's server captures its batch sizes at start)."""
+    waves = [1 << k for k in range(highest.bit_length()) if 1 << k < highest]
+    return [*waves, highest]
+
+
 async def warm_up(target: Target, prompts: Iterator[str], settings: Settings) -> None:
-    """One request, then one short wave at the highest concurrency (first
-    calls allocate caches and pick kernels; the largest batch sizes them)."""
-    for concurrency in (1, max(settings.concurrency)):
+    """Short waves of every batch bucket up to the highest concurrency (first
+    calls allocate caches, pick kernels and compile; the largest batch sizes
+    them)."""
+    for concurrency in warm_up_waves(max(settings.concurrency)):
         level = await run_level(
             target, prompts, concurrency=concurrency, requests_per_client=1, max_tokens=8
         )
@@ -730,7 +769,13 @@ def peer_setup(wanted: Sequence[str], args: argparse.Namespace) -> tuple[PeerSet
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", choices=["transformers", "mlx", "both"], default="both")
+    parser.add_argument(
+        "--engine",
+        choices=["transformers", "mlx", "vllm", "both"],
+        default="both",
+        help="both: transformers and mlx; vllm: ours with --engine vllm against vLLM's own "
+        "server, both from --vllm-python's environment",
+    )
     parser.add_argument("--models", nargs="+", choices=["large", "tiny"], default=["large", "tiny"])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -864,8 +909,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.peers
         else peers.DEFAULT_PEERS["transformers"],
         "mlx": peers.DEFAULT_PEERS["mlx"],
+        "vllm": tuple(p for p in args.peers or () if p.startswith("vllm"))
+        or peers.DEFAULT_PEERS["vllm"],
     }
-    setup, setup_notes = peer_setup(wanted["transformers"] if settings.peers else (), args)
+    needs = {p for engine in engines if settings.peers for p in wanted[engine]}
+    setup, setup_notes = peer_setup((*needs, *(["vllm"] if "vllm" in engines else [])), args)
+    if "vllm" in engines and setup.vllm_python is None:
+        raise SystemExit(f"--engine vllm: {setup_notes['vllm']}")
+    if "vllm" in engines and settings.trace:
+        raise SystemExit("--trace times our own scheduler's steps: not with --engine vllm")
     peer_python, peer_note = None, ""
     if settings.peers and "transformers serve" in wanted["transformers"]:
         peer_python, peer_note = peers_python(args.peers_venv, not args.no_peer_setup)

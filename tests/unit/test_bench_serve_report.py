@@ -12,8 +12,28 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 
 from loadgen import Level, Sample
-from report import OURS, Model, Section, ServerRun, Settings, section_table, side_by_side, targets
-from serve import TUNER_SWITCH, pair, server_dtype
+from peers import PeerSetup
+from report import (
+    OURS,
+    Model,
+    Section,
+    ServerRun,
+    Settings,
+    section_table,
+    side_by_side,
+    targets,
+    ttft_line,
+)
+from serve import (
+    NO_VLLM_BARE,
+    TUNER_SWITCH,
+    pair,
+    server_command,
+    server_dtype,
+    start_bare,
+    uses_vllm,
+    warm_up_waves,
+)
 
 from sluiceway.actors.thread_tuner import ThreadTuner
 
@@ -31,16 +51,18 @@ def test_the_tuner_switch_pattern_matches_what_the_tuner_logs(
     assert found == ["batches of 16: 1, not 2 (50% of the time per row)"]
 
 
-def _level(concurrency: int, seconds_per_token: float, tokens: int = 16) -> Level:
+def _level(
+    concurrency: int, seconds_per_token: float, tokens: int = 16, ttft: float = 0.0
+) -> Level:
     samples = tuple(
         Sample(
             sent=0.0,
-            arrivals=[i * seconds_per_token for i in range(tokens)],
+            arrivals=[ttft + i * seconds_per_token for i in range(tokens)],
             usage_tokens=tokens,
         )
         for _ in range(concurrency)
     )
-    return Level(concurrency, samples, wall=tokens * seconds_per_token)
+    return Level(concurrency, samples, wall=ttft + tokens * seconds_per_token)
 
 
 def test_rounds_against_the_one_thread_loop_are_reported() -> None:
@@ -103,3 +125,56 @@ def test_the_bare_loop_takes_our_servers_dtype() -> None:
     assert server_dtype(()) == "auto"
     assert server_dtype(("--engine-process", "--dtype", "float32")) == "float32"
     assert server_dtype(("--dtype=bfloat16",)) == "bfloat16"
+
+
+def _settings(concurrency: tuple[int, ...]) -> Settings:
+    return Settings(
+        concurrency=concurrency,
+        max_tokens=16,
+        prompt_tokens=8,
+        requests_per_client=dict.fromkeys(concurrency, 1),
+        bare_repeats=1,
+        openblas=None,
+        peers=True,
+        worker_class="asyncio",
+        busy=0.25,
+        retries=0,
+        trace=False,
+    )
+
+
+def test_the_warm_up_runs_every_batch_bucket_up_to_the_highest_concurrency() -> None:
+    # A compiled server compiles a bucket on its first step: each power of two
+    # below the highest level gets a wave of its own, and the highest one too.
+    assert warm_up_waves(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert warm_up_waves(16) == [1, 2, 4, 8, 16]
+    assert warm_up_waves(12) == [1, 2, 4, 8, 12]
+    assert warm_up_waves(1) == [1]
+
+
+def test_ttft_is_a_target_beside_each_peer() -> None:
+    ours, vllm = ServerRun(OURS), ServerRun("vLLM's server")
+    ours.levels += [_level(1, 0.01, ttft=0.030), _level(16, 0.01, ttft=0.100)]
+    vllm.levels += [_level(1, 0.01, ttft=0.020), _level(16, 0.01, ttft=0.150)]
+    line = ttft_line(ours, vllm)
+    assert line.startswith("TTFT p50 no worse than vLLM's server (ours / theirs): **missed**")
+    assert "c=1: 30.0 / 20.0 ms, c=16: 100.0 / 150.0 ms); worse at c=1" in line
+    ours.levels[0] = _level(1, 0.01, ttft=0.015)
+    assert "**met**" in ttft_line(ours, vllm)
+    section = Section("vllm", Model("tiny", Path("."), "tiny", ()), runs=[ours, vllm])
+    assert any("TTFT p50 no worse" in line for line in targets([section]))
+
+
+def test_ours_over_vllm_runs_from_the_vllm_environment_with_no_bare_loop() -> None:
+    settings = _settings((1, 4))
+    setup = PeerSetup("/opt/vllm-env/bin/python", None)
+    command = server_command(OURS, "vllm", Path("/m"), 8000, settings, None, None, setup)
+    assert command[:3] == ["/opt/vllm-env/bin/python", "-m", "sluiceway"]
+    assert command[command.index("--engine") + 1] == "vllm"
+    assert uses_vllm(OURS, "vllm")
+    assert uses_vllm("vllm", "transformers")
+    assert not uses_vllm(OURS, "transformers")
+    section = Section("vllm", Model("tiny", Path("."), "tiny", ()))
+    assert start_bare(section, settings) is None
+    assert section.bare_failure == NO_VLLM_BARE
+    assert f"No bare engine figures: {NO_VLLM_BARE}" in "\n".join(section_table(section, settings))
