@@ -65,6 +65,22 @@ def _level(
     return Level(concurrency, samples, wall=ttft + tokens * seconds_per_token)
 
 
+def _settings(concurrency: tuple[int, ...], *, peers: bool = True) -> Settings:
+    return Settings(
+        concurrency=concurrency,
+        max_tokens=16,
+        prompt_tokens=8,
+        requests_per_client=dict.fromkeys(concurrency, 1),
+        bare_repeats=1,
+        openblas=None,
+        peers=peers,
+        worker_class="asyncio",
+        busy=0.25,
+        retries=0,
+        trace=False,
+    )
+
+
 def test_rounds_against_the_one_thread_loop_are_reported() -> None:
     run = ServerRun(OURS)
     level = _level(16, 0.004)  # 16 streams at a token every 4 ms: 4,000 tok/s
@@ -76,19 +92,7 @@ def test_rounds_against_the_one_thread_loop_are_reported() -> None:
     run.client_cpu.append(0.1)
     run.tuner = ["batches of 16: 1, not 2 (87% of the time per row)"]
     section = Section("transformers", Model("tiny", Path("."), "tiny", ()), runs=[run])
-    settings = Settings(
-        concurrency=(16,),
-        max_tokens=16,
-        prompt_tokens=8,
-        requests_per_client={16: 1},
-        bare_repeats=1,
-        openblas=None,
-        peers=False,
-        worker_class="asyncio",
-        busy=0.25,
-        retries=0,
-        trace=False,
-    )
+    settings = _settings((16,), peers=False)
     text = "\n".join(section_table(section, settings))
     assert "decode ÷ the bare loop on one torch thread, each paired round: c=16: " in text
     assert "1.000, 0.800, 1.250 (mean 1.017" in text
@@ -125,22 +129,6 @@ def test_the_bare_loop_takes_our_servers_dtype() -> None:
     assert server_dtype(()) == "auto"
     assert server_dtype(("--engine-process", "--dtype", "float32")) == "float32"
     assert server_dtype(("--dtype=bfloat16",)) == "bfloat16"
-
-
-def _settings(concurrency: tuple[int, ...]) -> Settings:
-    return Settings(
-        concurrency=concurrency,
-        max_tokens=16,
-        prompt_tokens=8,
-        requests_per_client=dict.fromkeys(concurrency, 1),
-        bare_repeats=1,
-        openblas=None,
-        peers=True,
-        worker_class="asyncio",
-        busy=0.25,
-        retries=0,
-        trace=False,
-    )
 
 
 def test_the_warm_up_runs_every_batch_bucket_up_to_the_highest_concurrency() -> None:
