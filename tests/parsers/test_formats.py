@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from sluiceway.parsers.events import ToolCallOpened
+from sluiceway.parsers.events import Channel, Event, ToolCallOpened
 from sluiceway.parsers.formats import FORMATS
 from sluiceway.parsers.formats.render import Call
 from sluiceway.parsers.reasoning import DIALECTS
@@ -19,12 +19,17 @@ from sluiceway.parsers.registry import TextPathOptions, ToolSchema, build_stages
 from .family_calls import REASONING, SCHEMAS, calls, expected_arguments, written
 from .harness import (
     Routed,
+    StageRun,
     assert_contract,
+    emitted_spans,
     examples,
     route,
+    run_chain,
     run_pipeline,
     run_whole,
+    token_spans,
     tokenizations,
+    tokenize,
 )
 
 TOOLS = tuple(ToolSchema(name=name, parameters=schema) for name, schema in SCHEMAS.items())
@@ -124,6 +129,13 @@ def written_canonical(family: str, drawn: list[Call]) -> str:
             "<parameter=days>\n140.0\n</parameter>\n</function>\n</tool_call>",
             {"city": "Paris", "days": 140},
         ),
+        # A value written as its type spells it is passed on as written.
+        (
+            "qwen3_coder",
+            "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n"
+            "</function>\n</tool_call>",
+            {"days": 3},
+        ),
         # A value that does not fit its type stays a string; the call is kept.
         (
             "glm45",
@@ -152,7 +164,43 @@ def test_values_are_typed_by_the_schema(
     routed = route(run_whole(stages, text).events)
     ((name, written_arguments),) = routed.call_list
     assert name == "get_weather"
-    assert json.loads(written_arguments) == arguments
+    parsed = json.loads(written_arguments)
+    assert parsed == arguments
+    assert {k: type(v) for k, v in parsed.items()} == {k: type(v) for k, v in arguments.items()}
+    # A character a token: the same call, and every token owns what it wrote.
+    steps = token_spans(tokenize(text.encode(), range(len(text.encode()))))
+    run = run_chain(build_stages(_options(family))[0], steps)
+    assert route(run.events).call_list == routed.call_list
+    assert_owned(steps, run)
+
+
+def assert_owned(steps: list[list[Event]], run: StageRun) -> None:
+    """Every span is text owned by a token fed (the quotes a typed value
+    adds included), and every token fed owns a span (dropped or not)."""
+    spans = emitted_spans(run.events)
+    for span in spans:
+        assert span.token in range(len(steps)), span
+        assert isinstance(span.text, str), span
+        assert span.channel is not Channel.DROPPED or span.markup is not None, span
+    assert {span.token for span in spans} >= {i for i, step in enumerate(steps) if step}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\n \n</parameter>\n",
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\n14",
+    ],
+)
+def test_a_blank_or_cut_value_keeps_its_owners(text: str) -> None:
+    """A blank value is null; a value the reply ends in goes out as written."""
+    steps = token_spans(tokenize(text.encode(), range(len(text.encode()))))
+    run = run_chain(build_stages(_options("qwen3_coder"))[0], steps)
+    assert_owned(steps, run)
+    ((name, written_arguments),) = route(run.events).call_list
+    assert name == "get_weather"
+    if text.endswith("</parameter>\n"):
+        assert written_arguments.replace(" ", "") == '{"days":null'
 
 
 @pytest.mark.parametrize(
