@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from sluiceway.parsers.events import Channel, Event, ToolCallOpened
+from sluiceway.parsers.events import Channel, Event, Span, ToolCallOpened
 from sluiceway.parsers.formats import FORMATS
 from sluiceway.parsers.formats.render import Call
 from sluiceway.parsers.reasoning import DIALECTS
@@ -178,10 +178,13 @@ def assert_owned(steps: list[list[Event]], run: StageRun) -> None:
     """Every span is text owned by a token fed (the quotes a typed value
     adds included), and every token fed owns a span (dropped or not)."""
     spans = emitted_spans(run.events)
+    written = ["".join(e.text for e in step if isinstance(e, Span)) for step in steps]
     for span in spans:
         assert span.token in range(len(steps)), span
         assert isinstance(span.text, str), span
-        assert span.channel is not Channel.DROPPED or span.markup is not None, span
+        if span.channel is Channel.DROPPED:  # removed text is text its token wrote
+            assert span.markup is not None, span
+            assert span.text in written[span.token], span
     assert {span.token for span in spans} >= {i for i, step in enumerate(steps) if step}
 
 
@@ -190,6 +193,7 @@ def assert_owned(steps: list[list[Event]], run: StageRun) -> None:
     [
         "<tool_call>\n<function=get_weather>\n<parameter=days>\n \n</parameter>\n",
         "<tool_call>\n<function=get_weather>\n<parameter=days>\n14",
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\n14\n</param",
     ],
 )
 def test_a_blank_or_cut_value_keeps_its_owners(text: str) -> None:
@@ -219,3 +223,18 @@ def test_text_that_only_looks_like_markup_is_content(family: str, text: str) -> 
     routed = route(run_whole(stages, text).events)
     assert routed.call_list == []
     assert routed.content == text
+
+
+def test_a_string_typed_by_the_schema_keeps_each_characters_owner() -> None:
+    """``three`` for an integer stays a string: quoted, each character still
+    owned by the token that wrote it."""
+    text = (
+        "<tool_call>get_weather\n<arg_key>days</arg_key>\n<arg_value>three</arg_value>\n"
+        "</tool_call>"
+    )
+    steps = token_spans(tokenize(text.encode(), range(len(text))))
+    run = run_chain(build_stages(_options("glm45"))[0], steps)
+    assert json.loads(route(run.events).call_list[0][1]) == {"days": "three"}
+    start = text.index("three")
+    shown = {s.token for s in emitted_spans(run.events) if s.channel is Channel.TOOL_CALL}
+    assert set(range(start, start + len("three"))) <= shown
