@@ -565,6 +565,11 @@ def assert_contract(run: PipelineRun, expected: Routed | None = None) -> None:
         order = [t for _, chunk in chunks for t in chunk.tokens(channel)]
         assert order == sorted(order)
     assert_content_offsets(run)
+    # Every span names its owner (events.py): a token fed, or the prompt.
+    for event in (e for step in run.events for e in step):
+        for span in event.name_spans if isinstance(event, ToolCallOpened) else (event,):
+            owner = span.token
+            assert owner == PROMPT_OWNER or owner in range(run.tokens_fed), f"{span}: no owner"
 
 
 def assert_content_offsets(run: PipelineRun) -> None:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from sluiceway.parsers.events import ToolCallOpened
+from sluiceway.parsers.events import Channel, Event, Span, ToolCallOpened
 from sluiceway.parsers.formats import FORMATS
 from sluiceway.parsers.formats.render import Call
 from sluiceway.parsers.reasoning import DIALECTS
@@ -19,12 +19,17 @@ from sluiceway.parsers.registry import TextPathOptions, ToolSchema, build_stages
 from .family_calls import REASONING, SCHEMAS, calls, expected_arguments, written
 from .harness import (
     Routed,
+    StageRun,
     assert_contract,
+    emitted_spans,
     examples,
     route,
+    run_chain,
     run_pipeline,
     run_whole,
+    token_spans,
     tokenizations,
+    tokenize,
 )
 
 TOOLS = tuple(ToolSchema(name=name, parameters=schema) for name, schema in SCHEMAS.items())
@@ -124,6 +129,13 @@ def written_canonical(family: str, drawn: list[Call]) -> str:
             "<parameter=days>\n140.0\n</parameter>\n</function>\n</tool_call>",
             {"city": "Paris", "days": 140},
         ),
+        # A value written as its type spells it is passed on as written.
+        (
+            "qwen3_coder",
+            "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n"
+            "</function>\n</tool_call>",
+            {"days": 3},
+        ),
         # A value that does not fit its type stays a string; the call is kept.
         (
             "glm45",
@@ -152,7 +164,47 @@ def test_values_are_typed_by_the_schema(
     routed = route(run_whole(stages, text).events)
     ((name, written_arguments),) = routed.call_list
     assert name == "get_weather"
-    assert json.loads(written_arguments) == arguments
+    parsed = json.loads(written_arguments)
+    assert parsed == arguments
+    assert {k: type(v) for k, v in parsed.items()} == {k: type(v) for k, v in arguments.items()}
+    # A character a token: the same call, and every token owns what it wrote.
+    steps = token_spans(tokenize(text.encode(), range(len(text.encode()))))
+    run = run_chain(build_stages(_options(family))[0], steps)
+    assert route(run.events).call_list == routed.call_list
+    assert_owned(steps, run)
+
+
+def assert_owned(steps: list[list[Event]], run: StageRun) -> None:
+    """Every span is text owned by a token fed (the quotes a typed value
+    adds included), and every token fed owns a span (dropped or not)."""
+    spans = emitted_spans(run.events)
+    written = ["".join(e.text for e in step if isinstance(e, Span)) for step in steps]
+    for span in spans:
+        assert span.token in range(len(steps)), span
+        assert isinstance(span.text, str), span
+        if span.channel is Channel.DROPPED:  # removed text is text its token wrote
+            assert span.markup is not None, span
+            assert span.text in written[span.token], span
+    assert {span.token for span in spans} >= {i for i, step in enumerate(steps) if step}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\n \n</parameter>\n",
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\n14",
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\n14\n</param",
+    ],
+)
+def test_a_blank_or_cut_value_keeps_its_owners(text: str) -> None:
+    """A blank value is null; a value the reply ends in goes out as written."""
+    steps = token_spans(tokenize(text.encode(), range(len(text.encode()))))
+    run = run_chain(build_stages(_options("qwen3_coder"))[0], steps)
+    assert_owned(steps, run)
+    ((name, written_arguments),) = route(run.events).call_list
+    assert name == "get_weather"
+    if text.endswith("</parameter>\n"):
+        assert written_arguments.replace(" ", "") == '{"days":null'
 
 
 @pytest.mark.parametrize(
@@ -171,3 +223,18 @@ def test_text_that_only_looks_like_markup_is_content(family: str, text: str) -> 
     routed = route(run_whole(stages, text).events)
     assert routed.call_list == []
     assert routed.content == text
+
+
+def test_a_string_typed_by_the_schema_keeps_each_characters_owner() -> None:
+    """``three`` for an integer stays a string: quoted, each character still
+    owned by the token that wrote it."""
+    text = (
+        "<tool_call>get_weather\n<arg_key>days</arg_key>\n<arg_value>three</arg_value>\n"
+        "</tool_call>"
+    )
+    steps = token_spans(tokenize(text.encode(), range(len(text))))
+    run = run_chain(build_stages(_options("glm45"))[0], steps)
+    assert json.loads(route(run.events).call_list[0][1]) == {"days": "three"}
+    start = text.index("three")
+    shown = {s.token for s in emitted_spans(run.events) if s.channel is Channel.TOOL_CALL}
+    assert set(range(start, start + len("three"))) <= shown

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluiceway.parsers.events import Channel, Span
+from sluiceway.parsers.events import PROMPT_OWNER, Channel, Span, ToolCallOpened
 from sluiceway.parsers.harmony import HarmonyParser, HarmonyTokens, Marker
 from sluiceway.parsers.registry import (
     TextPathOptions,
@@ -28,18 +29,21 @@ from sluiceway.parsers.registry import (
     forced_tool_prefix,
     markup_texts,
 )
+from sluiceway.parsers.stages import StageFinishedError
 from sluiceway.protocol.tokens import TokenTable
 from sluiceway.server.config import CHOICES
 
 from .harness import (
     MULTIBYTE,
     PLAIN,
+    PipelineRun,
     Routed,
     Tokenized,
     assert_contract,
     chunk_texts,
     examples,
     run_pipeline,
+    token_spans,
 )
 
 PROMPT_END = "<|start|>assistant"
@@ -77,13 +81,65 @@ def parse(
     parallel: bool = True,
 ) -> tuple[Routed, list[object]]:
     """Run ``items`` through a pipeline whose reader is a primed harmony parser."""
+    run = run_of(items, cuts, prime=prime, parallel=parallel)
+    return chunk_texts(run), [chunk for _, chunk in run.all_chunks()]
+
+
+def run_of(
+    items: Sequence[Item],
+    cuts: Sequence[Sequence[int]] = (),
+    *,
+    prime: str = PROMPT_END,
+    parallel: bool = True,
+) -> PipelineRun:
+    """``parse``'s run, checked: the alignment contract, and every character
+    of every token accounted for once by its owner (``assert_accounted``)."""
     tokenized = tokenize(items, cuts)
     reader = HarmonyParser(HarmonyTokens.of(tokenized.table), parallel_tool_calls=parallel)
     reader.prime(prime)
     eos = frozenset(MARKERS.index(m) for m in EOS_MARKERS)
     run = run_pipeline(tokenized, [], reader=reader, eos=eos)
     assert_contract(run)
-    return chunk_texts(run), [chunk for _, chunk in run.all_chunks()]
+    assert_accounted(tokenized, run)
+    return run
+
+
+def reader_spans(run: PipelineRun) -> list[tuple[Span, ToolCallOpened | None]]:
+    """Every span the reader emitted, in order, with the call a name span opens."""
+    found: list[tuple[Span, ToolCallOpened | None]] = []
+    for event in (e for step in run.events for e in step):
+        if isinstance(event, ToolCallOpened):
+            found += [(span, event) for span in event.name_spans]
+        else:
+            found.append((event, None))
+    return found
+
+
+def assert_accounted(tokenized: Tokenized, run: PipelineRun) -> None:
+    """Each generated token's text comes out once, owned by it, and nothing
+    else does (a marker's text is empty); every marker is named by an event
+    whose markup is a channel; a name span is a non-empty tool-call span of
+    its call."""
+    steps = zip(tokenized.ids, token_spans(tokenized), strict=True)
+    texts = [
+        "" if token_id < len(MARKERS) else "".join(e.text for e in step if isinstance(e, Span))
+        for token_id, step in steps
+    ]
+    owned: dict[int, str] = {}
+    for span, call in reader_spans(run):
+        if call is not None:
+            assert (span.channel, span.tool_index) == (Channel.TOOL_CALL, call.tool_index)
+            assert span.text, "an empty name span"
+        if span.token == PROMPT_OWNER:
+            continue
+        assert span.token in range(len(texts)), f"{span} is owned by no token fed"
+        owned[span.token] = owned.get(span.token, "") + span.text
+        if tokenized.ids[span.token] < len(MARKERS) and span.channel is Channel.DROPPED:
+            assert span.markup is not None, f"marker {span.token} is markup of no channel"
+    for token, text in enumerate(texts):
+        assert Counter(owned.get(token, "")) == Counter(text), f"token {token}"
+    markers = [t for t, i in enumerate(tokenized.ids[: run.tokens_fed]) if i < len(MARKERS)]
+    assert all(token in owned for token in markers), "a marker no event names"
 
 
 # -- well-formed documents: ground truth ------------------------------------
@@ -195,6 +251,46 @@ def test_streamed_in_tokens_equals_one_piece_per_text(
     """The same document with each text whole (a non-streaming reference)."""
     _, items, cuts = document
     assert parse(items, cuts)[0] == parse(items)[0]
+
+
+def token_channels(
+    replies: Sequence[Message], items: Sequence[Item], cuts: Sequence[Sequence[int]]
+) -> list[Channel]:
+    """Each token's channel: that of its message, whose tokens are its header
+    (markers and text), its body and the marker that closes it."""
+    kinds: list[Channel] = []
+    for index, message in enumerate(replies):
+        kind = (
+            Channel.TOOL_CALL
+            if message.recipient is not None
+            else Channel.REASONING
+            if message.channel == "analysis"
+            else Channel.CONTENT
+        )
+        kinds += [kind] * (len(message.items(index == 0)) + 1)
+    channels: list[Channel] = []
+    texts = iter(cuts)
+    for item, kind in zip(items, kinds, strict=True):
+        size = 1 if isinstance(item, Marker) else len(item.encode())
+        points = {c for c in next(texts, ()) if 0 < c < size} if isinstance(item, str) else set()
+        channels += [kind] * (len(points) + 1)
+    return channels
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(documents(), st.booleans())
+def test_every_token_rides_with_its_message(
+    document: tuple[list[Message], list[Item], list[list[int]]], parallel: bool
+) -> None:
+    """What the reader says of a token (its spans' channel, a dropped span's
+    markup) is its message's channel, a call's whether shown or suppressed."""
+    replies, items, cuts = document
+    run = run_of(items, cuts, parallel=parallel)
+    want = token_channels(replies, items, cuts)
+    for span, _ in reader_spans(run):
+        if span.token != PROMPT_OWNER:
+            said = span.markup if span.channel is Channel.DROPPED else span.channel
+            assert said is want[span.token], f"{span}: {want[span.token]}"
 
 
 # -- the cases the peers got wrong ------------------------------------------
@@ -473,3 +569,138 @@ def test_any_sequence_of_markers_and_text_is_routed_without_error(
     routed, _ = parse(items, cuts, prime=prime)
     shown = routed.reasoning + routed.content + "".join(n + a for n, a in routed.call_list)
     assert len(shown) <= sum(len(i) for i in items if isinstance(i, str))
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.lists(ANY_ITEM, max_size=14), st.data())
+def test_an_unprimed_reader_reads_as_one_primed_with_the_prompt_end(
+    items: list[Item], data: st.DataObject
+) -> None:
+    """A reply that starts in a header whose role is given: the same chunks,
+    at the same steps, whether or not the prompt's ``<|start|>assistant`` was read."""
+    cuts = [
+        data.draw(st.lists(st.integers(1, max(1, len(i.encode()) - 1)), max_size=3))
+        for i in items
+        if isinstance(i, str)
+    ]
+    primed = run_of(items, cuts)
+    unprimed = run_of(items, cuts, prime="")
+    assert primed.all_chunks() == unprimed.all_chunks()
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [" ", Marker.START, "assistant", Marker.CHANNEL, "final", Marker.MESSAGE, "x"],
+        ["\n", Marker.CHANNEL, "analysis", Marker.MESSAGE, "r", Marker.END],
+        [" to=functions.f", Marker.CHANNEL, "commentary", Marker.MESSAGE, "{}", Marker.CALL],
+    ],
+)
+def test_leading_text_reads_alike_primed_or_not(items: list[Item]) -> None:
+    assert run_of(items).all_chunks() == run_of(items, prime="").all_chunks()
+
+
+def test_the_markers_of_a_vocabulary() -> None:
+    """A plain spelling is a marker when no special token spells it; a later
+    special one takes its place."""
+    table = TokenTable((b"<|call|>", b"x", b"<|end|>", b"<|end|>"), frozenset({3}))
+    assert HarmonyTokens.of(table).markers == {0: Marker.CALL, 3: Marker.END}
+
+
+def test_parallel_calls_are_the_default() -> None:
+    call = [Marker.CHANNEL, "commentary to=functions.f", Marker.MESSAGE, "{}"]
+    items: list[Item] = [*call, Marker.END, Marker.START, "assistant", *call, Marker.CALL]
+    tokenized = tokenize(items)
+    reader = HarmonyParser(HarmonyTokens.of(tokenized.table))
+    reader.prime(PROMPT_END)
+    run = run_pipeline(tokenized, [], reader=reader)
+    assert chunk_texts(run).call_list == [("f", "{}"), ("f", "{}")]
+
+
+def test_a_prompt_that_opens_a_body_is_continued() -> None:
+    prefix = PROMPT_END + "<|channel|>analysis<|message|>Let me"
+    routed, _ = parse([" think", Marker.END, Marker.START, "assistant", Marker.CHANNEL, "final",
+                       Marker.MESSAGE, "ok", Marker.RETURN], prime=prefix)  # fmt: skip
+    assert (routed.reasoning, routed.content) == (" think", "ok")
+
+
+def test_fed_after_finish_or_finished_twice_raises() -> None:
+    reader = HarmonyParser(HarmonyTokens.of(tokenize([]).table))
+    reader.finish()
+    with pytest.raises(StageFinishedError, match=r"^HarmonyParser was fed after finish\(\)$"):
+        reader.feed_token(0, 7, "x")
+    with pytest.raises(StageFinishedError, match=r"^HarmonyParser was finished twice$"):
+        reader.finish()
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        ["Hello", " world", "!"],
+        [Marker.CHANNEL, "final", Marker.MESSAGE, "a", Marker.END, "\nb", " c", "!"],
+    ],
+)
+def test_text_where_no_header_can_be_is_released_as_it_comes(items: list[Item]) -> None:
+    tokenized = tokenize(items)
+    reader = HarmonyParser(HarmonyTokens.of(tokenized.table))
+    reader.prime(PROMPT_END)
+    last_marker = max((i for i, item in enumerate(items) if isinstance(item, Marker)), default=-1)
+    for token, token_id in enumerate(tokenized.ids):
+        text = "" if token_id < len(MARKERS) else tokenized.table.raw_bytes[token_id].decode()
+        out = reader.feed_token(token, token_id, text)
+        if token > last_marker:  # each item is one token
+            shown = [e.text for e in out if isinstance(e, Span) and e.channel is Channel.CONTENT]
+            assert ("".join(shown), reader.held_from) == (text, None)
+
+
+@pytest.mark.parametrize("stray", [Marker.MESSAGE, Marker.CONSTRAIN])
+def test_a_stray_marker_in_a_body_is_dropped_and_the_body_goes_on(stray: Marker) -> None:
+    items: list[Item] = [Marker.CHANNEL, "analysis", Marker.MESSAGE, "a", stray, "b", Marker.RETURN]
+    routed, _ = parse(items)
+    assert (routed.reasoning, routed.content) == ("ab", "")
+
+
+def test_an_end_in_a_header_releases_it_as_content() -> None:
+    items: list[Item] = [
+        Marker.CHANNEL, "final", Marker.END, Marker.CHANNEL, "final", Marker.MESSAGE, "x",
+        Marker.RETURN,
+    ]  # fmt: skip
+    routed, _ = parse(items)
+    assert (routed.content, routed.reasoning) == ("finalx", "")
+
+
+def test_a_channel_marker_opens_a_new_header_wherever_it_stands() -> None:
+    """In a body (no <|end|>), and right after another channel header."""
+    items: list[Item] = [
+        Marker.CHANNEL, "final", Marker.MESSAGE, "a", Marker.CHANNEL, "analysis",
+        Marker.CHANNEL, "analysis", Marker.MESSAGE, "b", Marker.RETURN,
+    ]  # fmt: skip
+    routed, _ = parse(items)
+    assert (routed.content, routed.reasoning) == ("aanalysis", "b")
+
+
+def test_whitespace_between_messages_in_several_tokens_is_markup() -> None:
+    items: list[Item] = [
+        Marker.CHANNEL, "analysis", Marker.MESSAGE, "a", Marker.END, "\n \n",
+        Marker.START, "assistant", Marker.CHANNEL, "final", Marker.MESSAGE, "b", Marker.RETURN,
+    ]  # fmt: skip
+    routed, _ = parse(items, [[], [], [1, 2]])
+    assert (routed.reasoning, routed.content) == ("a", "b")
+
+
+def test_an_analysis_message_with_a_content_type_is_reasoning() -> None:
+    items: list[Item] = [Marker.CHANNEL, "analysis json", Marker.MESSAGE, "r", Marker.RETURN]
+    routed, _ = parse(items)
+    assert (routed.reasoning, routed.content) == ("r", "")
+
+
+def test_a_reply_cut_mid_character_ends_its_body_with_a_replacement() -> None:
+    """The detokenizer's flushed tail goes through the reader, to the open body."""
+    raw = (*(m.value.encode() for m in MARKERS), b"analysis", b"a\xc3")
+    table = TokenTable(raw, frozenset(range(len(MARKERS))))
+    ids = (MARKERS.index(Marker.CHANNEL), 7, MARKERS.index(Marker.MESSAGE), 8)
+    reader = HarmonyParser(HarmonyTokens.of(table))
+    reader.prime(PROMPT_END)
+    run = run_pipeline(Tokenized(table, ids), [], reader=reader)
+    assert_contract(run)
+    assert (chunk_texts(run).reasoning, chunk_texts(run).content) == ("a\ufffd", "")

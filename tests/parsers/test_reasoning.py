@@ -7,8 +7,22 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sluiceway.parsers.events import Channel, content, dropped
-from sluiceway.parsers.reasoning import ReasoningParser, ReasoningState, deepseek_r1, qwen3
+from sluiceway.parsers.reasoning import (
+    DEEPSEEK_R1,
+    MISTRAL,
+    QWEN3,
+    ReasoningDialect,
+    ReasoningParser,
+    ReasoningState,
+    UnsupportedGateError,
+    deepseek_r1,
+    parser_of,
+    primed_state,
+    qwen3,
+    reasoning_gate,
+)
 from sluiceway.parsers.stages import PrimeError, StageFinishedError
+from sluiceway.protocol.constraints import ReasoningGate
 
 from .harness import (
     CODE,
@@ -189,7 +203,9 @@ def test_open_channel() -> None:
 def test_illegal_use_raises_typed_errors() -> None:
     parser = make("qwen3", "")
     parser.feed([content(0, "x")])
-    with pytest.raises(PrimeError):
+    with pytest.raises(
+        PrimeError, match=r"^a reasoning parser can only be primed before it is fed$"
+    ):
         parser.prime("<think>")
     parser.finish()
     with pytest.raises(StageFinishedError):
@@ -206,3 +222,68 @@ def test_other_channels_pass_through_in_order() -> None:
         (0, "</th", Channel.REASONING),
         (1, "X", Channel.DROPPED),
     ]
+
+
+@pytest.mark.parametrize(
+    ("prefix", "state"),
+    [
+        ("<think>a</think>b<think>\n", ReasoningState.REASONING),  # the last block is open
+        ("<think></think>\n<think>x</think>\n", ReasoningState.CLOSED),
+        ("<think>a</think><think>b</think>c", ReasoningState.CONTENT),
+    ],
+)
+def test_the_last_think_block_of_a_prompt_decides(prefix: str, state: ReasoningState) -> None:
+    """Earlier turns' blocks in the prompt do not count."""
+    assert primed_state(prefix) is state
+
+
+def test_priming_in_pieces_reads_the_whole_prefix() -> None:
+    parser = qwen3()
+    parser.prime("<|im_start|>assistant\n<th")
+    parser.prime("ink>\n")
+    assert parser.state is ReasoningState.REASONING
+
+
+def test_a_dialect_is_primed_with_its_own_tags() -> None:
+    parser = parser_of(MISTRAL)()
+    assert (type(parser), parser.dialect) == (ReasoningParser, MISTRAL)
+    parser.prime("[THINK]")
+    assert parser.state is ReasoningState.REASONING
+    assert primed_state("[THINK]x[/THINK]\n", MISTRAL) is ReasoningState.CLOSED
+
+
+def _ids(*single: str) -> dict[str, int]:
+    """A vocabulary in which exactly the texts ``single`` are one token."""
+    return {text: 10 + index for index, text in enumerate(single)}
+
+
+@pytest.mark.parametrize(
+    ("dialect", "prefix", "gate"),
+    [
+        # The prompt closed reasoning (or the answer began): nothing to wait out.
+        (QWEN3, "<think>\n\n</think>\n\n", None),
+        (QWEN3, "<think>\n\n</think>\n\nSure", None),
+        # The prompt left the output inside reasoning.
+        (QWEN3, "<think>\n", ReasoningGate(end_id=11, inside=True)),
+        (DEEPSEEK_R1, "", ReasoningGate(end_id=11, inside=True)),
+        (MISTRAL, "[THINK]", ReasoningGate(end_id=13, inside=True)),
+        # The output may open reasoning with its first token.
+        (QWEN3, "", ReasoningGate(end_id=11, start_id=10)),
+        (MISTRAL, "", ReasoningGate(end_id=13, start_id=12)),
+    ],
+)
+def test_reasoning_gate(dialect: ReasoningDialect, prefix: str, gate: ReasoningGate | None) -> None:
+    ids = _ids("<think>", "</think>", "[THINK]", "[/THINK]")
+    assert reasoning_gate(dialect, prefix, ids.get) == gate
+
+
+def test_no_gate_where_the_opening_tag_is_not_one_token() -> None:
+    assert reasoning_gate(QWEN3, "", _ids("</think>").get) is None
+
+
+def test_a_closing_tag_of_several_tokens_cannot_gate() -> None:
+    message = r"^</think> is not one token of this model, so a constraint cannot start after it$"
+    with pytest.raises(UnsupportedGateError, match=message):
+        reasoning_gate(QWEN3, "<think>\n", _ids("<think>").get)
+    # Unless the prompt closed reasoning: then nothing waits for the tag.
+    assert reasoning_gate(QWEN3, "<think></think>", _ids().get) is None
