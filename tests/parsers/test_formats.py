@@ -4,15 +4,37 @@ the alignment contract kept; and what is special to some families."""
 
 from __future__ import annotations
 
+import ast
 import json
+from types import MappingProxyType
 
 import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from sluiceway.parsers.events import Channel, Event, Span, ToolCallOpened
-from sluiceway.parsers.formats import FORMATS
-from sluiceway.parsers.formats.render import Call
+from sluiceway.parsers.formats import FORMATS, FormatParser, parser
+from sluiceway.parsers.formats.graph import Graph
+from sluiceway.parsers.formats.render import Call, Style, forced_prefix, python_literal, render
+from sluiceway.parsers.formats.spec import (
+    Choice,
+    Index,
+    JsonArguments,
+    Key,
+    Lit,
+    Name,
+    Opt,
+    Part,
+    PythonArguments,
+    PythonValue,
+    Repeat,
+    Seq,
+    ToolFormat,
+    Value,
+    choice,
+    kinds,
+    seq,
+)
 from sluiceway.parsers.reasoning import DIALECTS
 from sluiceway.parsers.registry import TextPathOptions, ToolSchema, build_stages
 
@@ -238,3 +260,194 @@ def test_a_string_typed_by_the_schema_keeps_each_characters_owner() -> None:
     start = text.index("three")
     shown = {s.token for s in emitted_spans(run.events) if s.channel is Channel.TOOL_CALL}
     assert set(range(start, start + len("three"))) <= shown
+
+
+def test_a_parser_reads_parallel_calls_unless_told_not_to() -> None:
+    """``parser(name)`` allows parallel calls by default, as the API does."""
+    text = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n' * 2
+    routed = route(run_whole([parser("hermes")], text).events)
+    assert [name for name, _ in routed.call_list] == ["a", "a"]
+    single = route(run_whole([parser("hermes", parallel_tool_calls=False)], text).events)
+    assert [name for name, _ in single.call_list] == ["a"]
+
+
+def _parts() -> st.SearchStrategy[Part]:
+    leaves: st.SearchStrategy[Part] = st.sampled_from(
+        [Lit("x"), Name(), Index(), JsonArguments(), Key(), Value("</v>"), PythonValue()]
+    )
+    return st.recursive(
+        leaves,
+        lambda inner: st.one_of(
+            st.lists(inner, min_size=1, max_size=3).map(lambda p: seq(*p)),
+            st.lists(inner, min_size=1, max_size=3).map(lambda p: choice(*p)),
+            inner.map(Opt),
+            inner.map(Repeat),
+        ),
+        max_leaves=8,
+    )
+
+
+def _leaf_kinds(part: Part) -> set[type]:
+    if isinstance(part, Seq):
+        return {kind for inner in part.parts for kind in _leaf_kinds(inner)}
+    if isinstance(part, Choice):
+        return {kind for option in part.options for kind in _leaf_kinds(option)}
+    if isinstance(part, Opt | Repeat):
+        return _leaf_kinds(part.part)
+    return {type(part)}
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(part=_parts())
+def test_kinds_are_the_leaves_at_any_depth(part: Part) -> None:
+    """What the renderer asks before it writes an optional or repeated part."""
+    assert kinds(part) == _leaf_kinds(part)
+
+
+def test_kinds_look_inside_the_compound_parts() -> None:
+    assert kinds(PythonArguments()) == {Lit, Key, PythonValue}
+    assert kinds(Opt(PythonArguments())) == {Lit, Key, PythonValue}
+
+
+def test_pythonic_arguments_render_as_the_models_write_them() -> None:
+    drawn = [Call("get_weather", {"city": "Paris", "days": 3, "hot": False})]
+    assert render(FORMATS["pythonic"], drawn) == ("[get_weather(city='Paris', days=3, hot=False)]")
+
+
+@pytest.mark.parametrize("family", sorted(FORMATS))
+def test_a_graph_compiled_now_reads_what_the_imported_one_reads(family: str) -> None:
+    """GRAPHS is compiled at import; compiling the description again in the
+    test is what reaches the spec's parts (mutmut only sees calls made while
+    a test runs)."""
+    # A string parameter after the first: pythonic keys after a comma are
+    # Python keys too (their values are literals, not text).
+    drawn = [
+        Call("get_weather", {"days": 3, "city": "Paris", "hot": False}),
+        Call("get_time", {"tz": "UTC"}),
+    ]
+    text = render(FORMATS[family], drawn)
+    fresh = FormatParser(Graph(FORMATS[family]), tools=TOOLS)
+    routed = route(run_whole([fresh], text).events)
+    assert routed.content == ""
+    assert [(name, json.loads(arguments)) for name, arguments in routed.call_list] == [
+        (call.name, call.arguments) for call in drawn
+    ]
+
+
+class _Spread(Style):
+    """Every option the last one (optional parts present), two spaces wherever
+    whitespace may go, no optional newline."""
+
+    def space(self, pre: str) -> str:
+        return "  "
+
+    def newline(self, pre: str) -> str:
+        return ""
+
+    def pick(self, count: int) -> int:
+        return count - 1
+
+
+_TWO = [Call("get_weather", {"city": "Paris é", "tags": ["é"]}), Call("get_time", {})]
+
+
+@pytest.mark.parametrize(
+    ("family", "canonical", "spread"),
+    [
+        (
+            "pythonic",
+            "[get_weather(city='Paris é', tags=['é']), get_time()]",
+            "<|python_start|>  [  get_weather(city='Paris é'  ,  tags=['é']  )  ,"
+            "  get_time(  )  ]  <|python_end|>",
+        ),
+        (
+            "mistral",
+            '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris é", "tags": ["é"]}'
+            "[TOOL_CALLS]get_time[ARGS]{}",
+            '[TOOL_CALLS]  [  {  "name"  :  "get_weather"  ,  "arguments"  :'
+            '  {"city": "Paris é", "tags": ["é"]}  }  ,  {  "name"  :  "get_time"  ,'
+            '  "arguments"  :  {}  }  ]',
+        ),
+        (
+            "llama3_json",
+            '{"name": "get_weather", "parameters": {"city": "Paris é", "tags": ["é"]}}; '
+            '{"name": "get_time", "parameters": {}}',
+            '<|python_tag|>  {  "name"  :  "get_weather"  ,  "arguments"  :'
+            '  {"city": "Paris é", "tags": ["é"]}  }  ;  {  "name"  :  "get_time"  ,'
+            '  "arguments"  :  {}  }',
+        ),
+        (
+            "glm47",
+            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris é</arg_value>"
+            '<arg_key>tags</arg_key><arg_value>["é"]</arg_value></tool_call>\n'
+            "<tool_call>get_time</tool_call>",
+            "<tool_call>get_weather  <arg_key>city</arg_key>  <arg_value>Paris é</arg_value>"
+            '  <arg_key>tags</arg_key>  <arg_value>["é"]</arg_value>  </tool_call>'
+            "  <tool_call>get_time  </tool_call>",
+        ),
+        (
+            "qwen3_coder",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis é\n</parameter>\n"
+            '<parameter=tags>\n["é"]\n</parameter>\n</function>\n</tool_call>\n'
+            "<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
+            "<tool_call>  <function=get_weather>  <parameter=city>Paris é</parameter>"
+            '  <parameter=tags>["é"]</parameter>  </function>  </tool_call>'
+            "  <tool_call>  <function=get_time>  </function>  </tool_call>",
+        ),
+    ],
+)
+def test_a_style_reaches_every_choice_space_and_newline(
+    family: str, canonical: str, spread: str
+) -> None:
+    """The canonical rendering is what the family's models write (the first
+    option, optional literals left out, unescaped text); a style draws every
+    choice, space and optional newline, and the next call's markup starts
+    unspaced like the first."""
+    assert render(FORMATS[family], _TWO) == canonical
+    assert render(FORMATS[family], _TWO, _Spread()) == spread
+
+
+@pytest.mark.parametrize("family", ["qwen3_coder", "glm45", "glm47", "minimax_m2"])
+def test_a_value_with_newlines_at_its_ends_is_read_back_with_them(family: str) -> None:
+    """One newline at either end of a tagged value is markup: a value that
+    has its own there gets the markup newline whatever the style."""
+    drawn = [Call("get_weather", {"city": "\nParis\n"})]
+    for style in (Style(), _Spread()):
+        text = render(FORMATS[family], drawn, style)
+        routed = route(run_whole(build_stages(_options(family))[0], text).events)
+        assert [json.loads(arguments) for _, arguments in routed.call_list] == [
+            {"city": "\nParis\n"}
+        ]
+
+
+def test_a_forced_call_stops_before_the_name_or_the_arguments() -> None:
+    assert forced_prefix(FORMATS["pythonic"], None) == "["
+    assert forced_prefix(FORMATS["pythonic"], "get_weather") == "[get_weather("
+    assert forced_prefix(FORMATS["glm45"], "get_weather") == "<tool_call>get_weather\n"
+    with pytest.raises(ValueError, match=r"^broken: a call has no name"):
+        forced_prefix(ToolFormat(name="broken", body=Lit("x")), None)
+
+
+_JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(value=_JSON_VALUES)
+def test_python_literal_is_python_source_of_the_value(value: object) -> None:
+    assert ast.literal_eval(python_literal(value)) == value
+
+
+def test_python_literal_spells_any_mapping_and_no_other_container() -> None:
+    assert python_literal(MappingProxyType({"a": [1, None, True]})) == "{'a': [1, None, True]}"
+    with pytest.raises(TypeError, match=r"^not a JSON value: \(1,\)$"):
+        python_literal((1,))
