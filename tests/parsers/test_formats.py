@@ -13,7 +13,8 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from sluiceway.parsers.events import Channel, Event, Span, ToolCallOpened
-from sluiceway.parsers.formats import FORMATS, FormatParser, arguments, parser
+from sluiceway.parsers.formats import FORMATS, FormatParser, parser
+from sluiceway.parsers.formats import arguments as reading
 from sluiceway.parsers.formats.graph import Graph
 from sluiceway.parsers.formats.render import Call, Style, forced_prefix, python_literal, render
 from sluiceway.parsers.formats.spec import (
@@ -457,7 +458,7 @@ def test_python_literal_spells_any_mapping_and_no_other_container() -> None:
 
 
 def _integer(text: str) -> str:
-    return arguments.typed_json(text, {"type": "integer"})
+    return reading.typed_json(text, {"type": "integer"})
 
 
 def test_an_integer_written_as_a_float_or_exponent_becomes_an_integer() -> None:
@@ -468,24 +469,24 @@ def test_an_integer_written_as_a_float_or_exponent_becomes_an_integer() -> None:
     assert _integer(" 140 ") == " 140 "  # already an integer: the text as written
     assert _integer("1.0e-5") == "1.0e-5"  # not an integer: kept
     assert _integer("1e400") == "1e400"  # not finite: kept
-    assert arguments.typed_json("140.0", {"type": "number"}) == "140.0"
-    assert arguments.typed_json("140.0", None) == "140.0"
-    assert arguments.python_json("140.0", {"type": "integer"}) == "140"
+    assert reading.typed_json("140.0", {"type": "number"}) == "140.0"
+    assert reading.typed_json("140.0", None) == "140.0"
+    assert reading.python_json("140.0", {"type": "integer"}) == "140"
 
 
 def test_text_that_is_no_value_is_kept_as_a_string_without_escaping_letters() -> None:
-    assert arguments.typed_json("é x", None) == '"é x"'
-    assert arguments.python_json(" é x ", None) == '"é x"'
-    assert arguments.python_json("1e999", None) == '"1e999"'  # inf is no JSON
-    assert arguments.python_json("{'a': (1, None)}", None) == '{"a": [1, null]}'
+    assert reading.typed_json("é x", None) == '"é x"'
+    assert reading.python_json(" é x ", None) == '"é x"'
+    assert reading.python_json("1e999", None) == '"1e999"'  # inf is no JSON
+    assert reading.python_json("{'a': (1, None)}", None) == '{"a": [1, null]}'
 
 
 def test_a_json_extent_ends_where_its_value_does() -> None:
-    assert arguments.JsonExtent().advance('"ab"', 0) == (4, True)
-    assert arguments.JsonExtent().advance("x: 12, y", 3) == (5, True)
-    assert arguments.JsonExtent().advance("XYZ,", 0) == (3, True)
+    assert reading.JsonExtent().advance('"ab"', 0) == (4, True)
+    assert reading.JsonExtent().advance("x: 12, y", 3) == (5, True)
+    assert reading.JsonExtent().advance("XYZ,", 0) == (3, True)
     with pytest.raises(ValueError, match="cannot start a JSON value"):
-        arguments.JsonExtent().advance("}", 0)
+        reading.JsonExtent().advance("}", 0)
 
 
 @pytest.mark.parametrize(
@@ -502,7 +503,7 @@ def test_a_json_extent_ends_where_its_value_does() -> None:
     ],
 )
 def test_a_python_extent_ends_before_a_comma_or_bracket_outside_others(text: str, end: int) -> None:
-    assert arguments.PythonExtent().advance(text, 0) == (end, True)
+    assert reading.PythonExtent().advance(text, 0) == (end, True)
 
 
 def _nested_any_of(wrappers: int) -> dict[str, object]:
@@ -513,8 +514,8 @@ def _nested_any_of(wrappers: int) -> dict[str, object]:
 
 
 def _is_string(schema: object, **root: object) -> bool:
-    tool = arguments.ToolSchema(name="f", parameters={"properties": {"a": schema}, **root})
-    return arguments.is_string_parameter(tool, "a")
+    tool = reading.ToolSchema(name="f", parameters={"properties": {"a": schema}, **root})
+    return reading.is_string_parameter(tool, "a")
 
 
 def test_a_schema_is_read_as_text_only_when_it_takes_strings_alone() -> None:
@@ -524,15 +525,21 @@ def test_a_schema_is_read_as_text_only_when_it_takes_strings_alone() -> None:
     assert _is_string({"type": []}) is True
     assert _is_string({"oneOf": [{"type": "integer"}]}) is False
     assert _is_string({"enum": "x", "anyOf": [{"type": "integer"}]}) is False
-    assert _is_string({"anyOf": [{"$ref": "#/$defs/N"}]}, **{"$defs": {"N": {"type": "integer"}}}) is False
+    assert (
+        _is_string({"anyOf": [{"$ref": "#/$defs/N"}]}, **{"$defs": {"N": {"type": "integer"}}})
+        is False
+    )
     assert _is_string({"$ref": "#/a/b"}, a=5) is True
-    tool = arguments.ToolSchema(name="f", parameters={"properties": []})
-    assert arguments.is_string_parameter(tool, "a") is True
+    tool = reading.ToolSchema(name="f", parameters={"properties": []})
+    assert reading.is_string_parameter(tool, "a") is True
 
 
 def test_a_parameter_schema_is_its_reference_resolved() -> None:
-    tool = arguments.ToolSchema(
+    tool = reading.ToolSchema(
         name="f",
-        parameters={"properties": {"n": {"$ref": "#/$defs/N"}}, "$defs": {"N": {"type": "integer"}}},
+        parameters={
+            "properties": {"n": {"$ref": "#/$defs/N"}},
+            "$defs": {"N": {"type": "integer"}},
+        },
     )
-    assert arguments.parameter_schema(tool, "n") == {"type": "integer"}
+    assert reading.parameter_schema(tool, "n") == {"type": "integer"}
