@@ -500,6 +500,7 @@ def test_a_json_extent_ends_where_its_value_does() -> None:
         ("((1, 2), 3), 4", 11),
         ("[{'a': 1}])", 10),
         ("x)", 1),
+        ("0X1F, 2", 4),  # an X is neither a quote nor a bracket
     ],
 )
 def test_a_python_extent_ends_before_a_comma_or_bracket_outside_others(text: str, end: int) -> None:
