@@ -262,10 +262,7 @@ class KVRows:
         if length > 1 or not self.ready_masks:
             return positions, allowed
         # Ready-made, so that transformers skips building it (Python, every step).
-        dtype = self.layouts[0].dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-        mask.masked_fill_(~allowed, float("-inf"))
-        return positions, mask[:, None, None, :]
+        return positions, self._additive(allowed)
 
     def padded_inputs(
         self, bucket: int
@@ -288,12 +285,17 @@ class KVRows:
         seen = torch.tensor([end - f for f in self.first] + [0] * pad, device=device)
         index = torch.arange(time, device=device)
         allowed = (index[None, :] >= first[:, None]) & (index[None, :] <= end)
-        mask = torch.zeros(allowed.shape, dtype=self.layouts[0].dtype, device=device)
-        mask.masked_fill_(~allowed, float("-inf"))
         keys = [tensor[:bucket] for tensor in self.keys]
         values = [tensor[:bucket] for tensor in self.values]
         at = torch.tensor([end], device=device)
-        return seen[:, None], mask[:, None, None, :], at, keys, values
+        return seen[:, None], self._additive(allowed), at, keys, values
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """The 4D additive mask ``[rows, 1, 1, T]`` of a boolean ``[rows, T]``:
+        0 where allowed, -inf elsewhere, in the buffers' dtype."""
+        mask = torch.zeros(allowed.shape, dtype=self.layouts[0].dtype, device=allowed.device)
+        mask.masked_fill_(~allowed, float("-inf"))
+        return mask[:, None, None, :]
 
     def write(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
