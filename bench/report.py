@@ -118,6 +118,13 @@ class Section:
     def peers(self) -> list[ServerRun]:
         return [r for r in self.runs if r.server != OURS]
 
+    @property
+    def has_bare_loop(self) -> bool:
+        """False for vLLM's engine: ours and vLLM's own server run the same
+        ``AsyncLLM``, so its section races the servers only (no bare-loop
+        targets, no pipeline cost)."""
+        return self.engine != "vllm"
+
 
 def ms(seconds: float) -> str:
     return "-" if math.isnan(seconds) else f"{seconds * 1e3:.1f}"
@@ -292,8 +299,7 @@ def targets(sections: Sequence[Section]) -> list[str]:
     for section in sections:
         ours = section.run(OURS)
         name = f"{section.engine}, {section.model.key} model"
-        # vLLM's engine has no bare loop: its section races servers only.
-        if section.model.key == "large" and ours is not None and section.engine != "vllm":
+        if section.model.key == "large" and ours is not None and section.has_bare_loop:
             for concurrency, goal in ((1, TARGET_C1), (16, TARGET_C16)):
                 level, bare = ours.level(concurrency), ours.bare_for(section, concurrency)
                 if level is None or not bare:
@@ -328,7 +334,7 @@ def pipeline_cost(sections: Sequence[Section]) -> list[str]:
     work can overlap the forward pass; here it shares the cores with it.)"""
     lines = ["## Our pipeline's cost per streamed token (tiny model)", ""]
     for section in sections:
-        if section.model.key != "tiny" or section.engine == "vllm":  # vLLM's: no bare loop
+        if section.model.key != "tiny" or not section.has_bare_loop:
             continue
         ours = section.run(OURS)
         if ours is None:

@@ -360,10 +360,9 @@ NO_VLLM_BARE = (
 
 def start_bare(section: Section, settings: Settings) -> BareEngine | None:
     """Start the bare engine and measure every batch size: the best of
-    ``bare_repeats``, each repeated while other processes were busy. vLLM's
-    engine has none: ours and vLLM's own server run the same engine, so the
-    race there is server against server."""
-    if section.engine == "vllm":
+    ``bare_repeats``, each repeated while other processes were busy (none
+    where the section has no bare loop: :attr:`Section.has_bare_loop`)."""
+    if not section.has_bare_loop:
         section.bare_failure = NO_VLLM_BARE
         return None
     try:
