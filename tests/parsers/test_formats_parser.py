@@ -63,6 +63,7 @@ def owned(events: list[Event]) -> list[tuple[int, str, str]]:
 
 @dataclass(frozen=True)
 class Case:
+    name: str
     family: str
     text: str
     content: str
@@ -72,43 +73,77 @@ class Case:
 CASES = [
     # A committed call broken inside a literal: built arguments close ("{}",
     # owned by the breaking token) and the literal in progress is content.
-    Case("hermes", '<tool_call>\n{"name": "f", "argumXY', '"argumXY', (("f", "{}"),)),
+    Case(
+        "broken-in-literal",
+        "hermes",
+        '<tool_call>\n{"name": "f", "argumXY',
+        '"argumXY',
+        (("f", "{}"),),
+    ),
     # Broken after its arguments closed: nothing more is built.
-    Case("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}}X', "X", (("f", '{"a": 1}'),)),
+    Case(
+        "broken-after-arguments",
+        "hermes",
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1}}X',
+        "X",
+        (("f", '{"a": 1}'),),
+    ),
     # Broken between parameters: the built object closes.
     Case(
+        "broken-between-parameters",
         "qwen3_coder",
         "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\nZ",
         "Z",
         (("f", '{"a": "1"}'),),
     ),
     # JSON arguments that are a scalar end at the literal after them.
-    Case("hermes", '<tool_call>\n{"name": "f", "arguments": 5}\n</tool_call>', "", (("f", "5"),)),
+    Case(
+        "scalar-arguments",
+        "hermes",
+        '<tool_call>\n{"name": "f", "arguments": 5}\n</tool_call>',
+        "",
+        (("f", "5"),),
+    ),
     # A tight literal after whitespace breaks the markup before the call commits.
     Case(
+        "tight-after-space",
         "hermes",
         '<tool_call>\n{"name": "f "}\n</tool_call>',
         '<tool_call>\n{"name": "f "}\n</tool_call>',
     ),
     # Cut inside the closing literal of a committed call: it is markup.
-    Case("hermes", '<tool_call>\n{"name": "f"}\n</tool_', "", (("f", "{}"),)),
+    Case(
+        "cut-in-closing-literal",
+        "hermes",
+        '<tool_call>\n{"name": "f"}\n</tool_',
+        "",
+        (("f", "{}"),),
+    ),
     # Cut inside a key: the key is markup, nothing is built for it.
-    Case("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=ci", "", (("f", ""),)),
+    Case("cut-in-key", "qwen3_coder", "<tool_call>\n<function=f>\n<parameter=ci", "", (("f", ""),)),
     # Cut inside a Python value: what it holds goes out as written.
-    Case("pythonic", "[f(a=12", "", (("f", '{"a": 12'),)),
+    Case("cut-in-python-value", "pythonic", "[f(a=12", "", (("f", '{"a": 12'),)),
     # Values typed by the tool's schema (days is an integer).
     Case(
+        "typed-tagged-value",
         "qwen3_coder",
         "<tool_call>\n<function=get_weather>\n<parameter=days>\n140.0\n</parameter>\n"
         "</function>\n</tool_call>",
         "",
         (("get_weather", '{"days": 140}'),),
     ),
-    Case("pythonic", "[get_weather(days=140.0)]", "", (("get_weather", '{"days": 140}'),)),
-    Case("pythonic", "[f(a=)]", "", (("f", '{"a": ""}'),)),
-    # Key characters: a Python keyword takes "_", a tagged key takes "X".
-    Case("pythonic", "[f(my_key=1)]", "", (("f", '{"my_key": 1}'),)),
     Case(
+        "typed-python-value",
+        "pythonic",
+        "[get_weather(days=140.0)]",
+        "",
+        (("get_weather", '{"days": 140}'),),
+    ),
+    Case("empty-python-value", "pythonic", "[f(a=)]", "", (("f", '{"a": ""}'),)),
+    # Key characters: a Python keyword takes "_", a tagged key takes "X".
+    Case("python-key-underscore", "pythonic", "[f(my_key=1)]", "", (("f", '{"my_key": 1}'),)),
+    Case(
+        "tagged-key-x",
         "qwen3_coder",
         "<tool_call>\n<function=f>\n<parameter=maxX>\nv\n</parameter>\n</function>\n</tool_call>",
         "",
@@ -116,13 +151,25 @@ CASES = [
     ),
     # Formats that only open a reply: leading whitespace is markup before a
     # call; after broken markup or an ended call, nothing opens again.
-    Case("pythonic", " \n[f(a=1)]", "", (("f", '{"a": 1}'),)),
-    Case("pythonic", "[f()][g()]", "[g()]", (("f", "{}"),)),
-    Case("pythonic", "[[f()]", "[[f()]"),
-    Case("llama3_json", '{"na{"name": "f", "arguments": {}}', '{"na{"name": "f", "arguments": {}}'),
-    Case("llama3_json", "Hi {", "Hi {"),
+    Case("leading-whitespace", "pythonic", " \n[f(a=1)]", "", (("f", '{"a": 1}'),)),
+    Case("nothing-opens-after-a-call", "pythonic", "[f()][g()]", "[g()]", (("f", "{}"),)),
+    Case("nothing-opens-after-a-break", "pythonic", "[[f()]", "[[f()]"),
+    # A reply that ends in what may still open markup (leading whitespace,
+    # part of the first literal) is content.
+    Case("only-whitespace", "pythonic", "  ", "  "),
+    Case("part-of-a-literal", "pythonic", "<|pyth", "<|pyth"),
+    Case("only-whitespace", "llama3_json", " \n", " \n"),
+    # A reader that takes no whitespace before it does not start after some.
+    Case("no-space-before-a-key", "pythonic", "[f( a=1)]", "a=1)]", (("f", "{}"),)),
+    Case(
+        "broken-json-start",
+        "llama3_json",
+        '{"na{"name": "f", "arguments": {}}',
+        '{"na{"name": "f", "arguments": {}}',
+    ),
+    Case("text-first", "llama3_json", "Hi {", "Hi {"),
 ]
-IDS = [f"{case.family}-{index}" for index, case in enumerate(CASES)]
+IDS = [f"{case.family}-{case.name}" for case in CASES]
 
 
 def check(case: Case, events: list[Event], pieces: list[str]) -> None:
