@@ -185,6 +185,9 @@ class FormatParser(SpanStage):
             self._literal = ""
             out.extend(self._markup(self._held.take_all()))
             self._flush_reader(out)
+        # A reply of at_start markup's leading whitespace or part of its first
+        # literal: held outside any markup, and content after all.
+        out.extend(_content_or_dropped(self._held.take_all()))
         out.extend(_content_or_dropped(self._scanner.finish()))
 
     # -- text
