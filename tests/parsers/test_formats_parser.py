@@ -20,7 +20,8 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from sluiceway.parsers.events import PROMPT_OWNER, Channel, Event, Span, ToolCallOpened, content
-from sluiceway.parsers.formats import GRAPHS, FormatParser, parser
+from sluiceway.parsers.formats import FORMATS, GRAPHS, FormatParser, parser
+from sluiceway.parsers.formats.render import Call, render
 from sluiceway.parsers.registry import ToolSchema
 from sluiceway.parsers.stages import PrimeError
 
@@ -217,9 +218,10 @@ def test_a_python_value_is_owned_by_its_first_token_and_the_rest_is_markup() -> 
     text = "[f(a=123)]"
     value = text.index("1")
     assert owned(feed("pythonic", list(text)))[3:] == [
+        # The key waits for its value, so it goes out after the "=".
+        (value - 1, "dropped", "="),
         (value - 2, "call 0", '{"'),
         (value - 2, "call 0", "a"),
-        (value - 1, "dropped", "="),
         (value - 1, "call 0", '": '),
         (value, "call 0", "123"),
         (value + 1, "dropped", "2"),
@@ -249,10 +251,12 @@ def test_a_quoted_value_that_is_not_json_is_owned_by_its_first_token() -> None:
 
 
 def test_a_python_keyword_is_letters_digits_and_underscores() -> None:
-    """``a.b=`` is no keyword: the call breaks after ``a``, the rest is content."""
+    """``a.b=`` is no keyword: the call breaks after ``a``, the rest is
+    content, and the key that never got a value is dropped, not left open."""
     routed = route(feed("pythonic", list("[f(a.b=1)]")))
     assert routed.content == ".b=1)]"
-    assert [name for name, _ in routed.call_list] == ["f"]
+    assert routed.call_list == [("f", "{}")]
+    assert routed.dropped == "[(a"
 
 
 def test_a_call_index_written_in_pieces_is_whole_in_the_call_id() -> None:
@@ -310,3 +314,25 @@ def test_a_primed_prefix_that_breaks_is_dropped_prompt_text(family: str, prefix:
         *((i, "content", char) for i, char in enumerate("hello")),
     ]
     assert next(span.markup for span in spans(events)) is Channel.TOOL_CALL
+
+
+#: Text that no format's markup takes at any place outside a value.
+BREAK = "\u00a7 tail"
+
+
+@pytest.mark.parametrize("family", sorted(FORMATS))
+def test_a_call_whose_markup_breaks_ends_with_whole_json_arguments(family: str) -> None:
+    """A call's rendering cut at every place and followed by text that breaks
+    its markup: where that text comes out as content (the call ended, it was
+    not read into a value), every call's arguments are whole JSON, built
+    from what was complete (a key whose value had not started is left out)."""
+    text = render(FORMATS[family], [Call("get_weather", {"city": "Oslo", "days": 3})])
+    broke = []
+    for cut in range(1, len(text)):
+        routed = route(feed(family, list(text[:cut] + BREAK)))
+        if not routed.content.endswith(BREAK):
+            continue  # read into a value (or JSON arguments) that the reply then cut
+        broke.append(cut)
+        for name, arguments in routed.calls.values():
+            assert isinstance(json.loads(arguments), dict), (text[:cut], name, arguments)
+    assert broke, "no place broke the markup"

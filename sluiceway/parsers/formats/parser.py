@@ -19,8 +19,9 @@ the reply, after whitespace). From there it walks the graph
   whose markup breaks ends there; the partial literal is read again as text.
 - Arguments written as JSON stream exactly as written. Arguments written as
   parameters (tagged blocks, Python keywords) are built into one JSON object
-  while they stream: ``{"KEY": `` when a key is complete, a string value
-  escaped piece by piece, any other value held until it ends and then typed
+  while they stream: ``{"KEY": `` when the key's value starts (a call whose
+  markup breaks between a key and its value drops the key, so the built
+  object stays whole JSON), a string value escaped piece by piece, any other value held until it ends and then typed
   by the tool's schema (:mod:`~sluiceway.parsers.formats.arguments`), and the
   closing brace at the literal that ends the arguments. Built punctuation is
   owned by the token whose text called for it.
@@ -111,6 +112,10 @@ class FormatParser(SpanStage):
         self._name_to = 0
         self._key = ""
         self._python_key = False
+        # A complete key waits for its value: its pieces, and the token of
+        # the literal that closed it (None: not closed yet).
+        self._key_run: list[OwnedText] = []
+        self._key_closer: int | None = None
         self._needs_index = graph.format.call_id is not None and "{index}" in graph.format.call_id
         self._call_index: str | None = None
         self._after: State = graph.start
@@ -123,6 +128,7 @@ class FormatParser(SpanStage):
             self._scanner.held_from,
             self._held.first_owner_at_least(0),
             self._run[0].token if self._run else None,
+            self._key_run[0].token if self._key_run else None,
             self._value.held_from if self._value is not None else None,
         ]
         real = [owner for owner in owners if owner is not None and owner >= 0]
@@ -184,6 +190,8 @@ class FormatParser(SpanStage):
         if self._state is not None and self._committed:
             self._literal = ""
             out.extend(self._markup(self._held.take_all()))
+            out.extend(self._markup(self._key_run))
+            self._key_run = []
             self._flush_reader(out)
         # A reply of at_start markup's leading whitespace or part of its first
         # literal: held outside any markup, and content after all.
@@ -251,6 +259,7 @@ class FormatParser(SpanStage):
                 return position + 1
             reader = options.reader
             if reader is not None and self._starts_reader(reader[0], char):
+                self._open_value(out)
                 self._reader = reader[0]
                 self._begin_reader(reader[0], reader[1])
                 return position
@@ -293,7 +302,7 @@ class FormatParser(SpanStage):
         elif self._committed and not self._pending_name:
             out.extend(self._markup(self._held.take_all()))
         if lit.closes_key:
-            out.append(self._argument(token, '": "' if self._string_value() else '": '))
+            self._key_closer = token
         if lit.ends_args:
             self._close_arguments(token, out)
             self._end_call()
@@ -310,6 +319,7 @@ class FormatParser(SpanStage):
         if not self._committed:
             self._break_uncommitted(out)
             return
+        out.extend(self._markup(self._key_run))
         if not at_end:
             self._close_arguments(token, out)
         self._end_call()
@@ -356,6 +366,8 @@ class FormatParser(SpanStage):
         self._args_open = False
         self._pending_name = False
         self._function = None
+        self._key_run = []
+        self._key_closer = None
 
     # -- readers
 
@@ -427,7 +439,7 @@ class FormatParser(SpanStage):
         elif isinstance(reader, Index):
             self._call_index = "".join(piece.text for piece in self._run)
         else:
-            self._open_parameter(out)
+            self._open_parameter()
         self._finish_reader()
         return end
 
@@ -466,15 +478,27 @@ class FormatParser(SpanStage):
         out.append(ToolCallOpened(self._index, spans, call_id=call_id))
         out.extend(self._markup(rest))
 
-    def _open_parameter(self, out: list[Event]) -> None:
-        """A key is complete: ``{"KEY`` (the rest comes with the literal that closes it)."""
-        pieces = self._run
-        self._key = "".join(piece.text for piece in pieces)
+    def _open_parameter(self) -> None:
+        """A key is complete: it waits for its closing literal and its value."""
+        self._key_run = self._run
+        self._key = "".join(piece.text for piece in self._key_run)
         self._python_key = isinstance(self._reader, Key) and self._reader.python
+        self._key_closer = None
+
+    def _open_value(self, out: list[Event]) -> None:
+        """A value starts: its key goes out, ``{"KEY": `` (or ``, "KEY": ``,
+        and ``"`` after it for a string), the colon owned by the key's
+        closing literal."""
+        pieces = self._key_run
+        if not pieces or self._key_closer is None:
+            return
         opening = "{" if self._arguments <= 0 else ", "
         self._arguments = max(self._arguments, 0) + 1
         out.append(self._argument(pieces[0].token, opening + '"'))
         out.extend(self._argument(piece.token, json_escape(piece.text)) for piece in pieces)
+        out.append(self._argument(self._key_closer, '": "' if self._string_value() else '": '))
+        self._key_run = []
+        self._key_closer = None
 
     def _string_value(self) -> bool:
         """Whether the current parameter's value is written as raw text of a string."""
