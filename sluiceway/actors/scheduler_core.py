@@ -867,8 +867,19 @@ class SchedulerCore:
             if keep:
                 self._keep_row(request, choice)
             self._to_free.append(choice.slot)
+        else:
+            self._forget_parked(choice)
         if close and not request.choices:
             self._close(request)
+
+    def _forget_parked(self, choice: Choice) -> None:
+        """A choice that is no row ends: paused (its row was freed while its
+        reader lagged) or being restored. Left there, it would come back and
+        decode past its end."""
+        self._paused = [c for c in self._paused if c is not choice]
+        for slot in [s for s, r in self._restoring.items() if r.choice is choice]:
+            del self._restoring[slot]
+            self._to_free.append(slot)
 
     def _close(self, request: Request) -> None:
         if self._requests.pop(request.spec.request_id, None) is None:

@@ -362,6 +362,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.admitted == sorted(self.admitted)
         assert len(set(self.admitted)) == len(self.admitted)
 
+    def settle_bound(self) -> int:
+        """Steps that end every open request even one row at a time: each
+        token of a slow reader's choice may take a decode, a pause and a
+        prefill of its whole sequence again. (A fixed 500 was too few for
+        one run of fifty requests, which settled after 563.)"""
+        steps = 10
+        for output in self.open():
+            spec = output.spec
+            prompt, tokens = len(spec.prompt_ids), spec.limits.max_tokens
+            again = 2 + -(-(prompt + tokens) // CHUNK)
+            steps += spec.n * (-(-prompt // CHUNK) + tokens * again)
+        return steps
+
     def teardown(self) -> None:
         """The steps run out, slow readers still falling behind and catching
         up (so every run pauses and restores them), the others reading: each
@@ -371,7 +384,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 output.full = False
                 self.core.command(Resume(request_id=output.spec.request_id), self.now)
         self.carry()
-        for _ in range(500):
+        for _ in range(self.settle_bound()):
             if self.core.quiet and not self.open():
                 break
             self.step()
@@ -1394,3 +1407,37 @@ def test_drawn_first_tokens_keep_the_logprobs_the_engine_reduced() -> None:
     batch = machine.core.absorb(plan, outcome)
     assert batch.scores == first
     assert all(score is not None for score in batch.scores)
+
+
+@pytest.mark.parametrize("restoring", [False, True], ids=["paused", "being-restored"])
+def test_a_choice_ended_while_its_row_is_parked_never_comes_back(restoring: bool) -> None:
+    """A stop string ends a choice whose reader lagged, so that its row was
+    freed (paused) or is being prefilled again (restoring): the choice stays
+    ended, and only the other choice decodes on (found by the state machine:
+    the ended choice came back and decoded past its end)."""
+    machine = SchedulerMachine()
+    machine.submit(n=2, shared=False, own=[1], max_tokens=7, slow=True)
+    output = machine.outputs["r0"]
+    while not output.tokens(0):
+        machine.step()
+    machine.run_step()  # the lagging reader's rows are freed: both choices paused
+    assert machine.core.counters().paused_requests == 1
+    planned = None
+    if restoring:  # the choices' prefills are under way when choice 0 ends
+        output.full = False
+        machine.core.command(Resume(request_id="r0"), machine.now)
+        planned = machine.core.plan({}, machine.now)
+        assert planned is not None and len(planned.plan.prefills) == 2
+        machine.owners.update((work.slot, work.request_id) for work in planned.plan.prefills)
+        machine.core.started()
+        outcome = execute(machine.engine, planned.plan)  # type: ignore[arg-type]
+    ended = len(output.tokens(0))
+    output.ended.add(0)
+    machine.core.command(FinishChoice(request_id="r0", choice=0), machine.now)
+    machine.carry()
+    if planned is not None:
+        assert not machine.core.absorb(planned.plan, outcome).choices
+        machine.carry()
+    machine.teardown()
+    assert len(output.tokens(0)) == ended
+    assert len(output.tokens(1)) == 7
