@@ -16,7 +16,18 @@ from sluiceway.parsers.formats.arguments import ToolSchema
 from sluiceway.parsers.formats.families import OnFirstUse
 from sluiceway.parsers.formats.graph import Graph, State
 from sluiceway.parsers.formats.render import Call, Style, render
-from sluiceway.parsers.formats.spec import Value
+from sluiceway.parsers.formats.spec import (
+    Index,
+    Lit,
+    Name,
+    Opt,
+    Part,
+    Repeat,
+    ToolFormat,
+    Value,
+    choice,
+    seq,
+)
 
 from .harness import route
 
@@ -207,3 +218,100 @@ def test_the_formats_and_graphs_are_built_once_and_again_after_a_clear() -> None
     assert FORMATS["hermes"] is again["hermes"]
     assert GRAPHS["hermes"] is formats.graphs()["hermes"]
     assert GRAPHS["hermes"].format is again["hermes"]
+
+
+# -- the compiled graph ------------------------------------------------------
+
+
+def _graph(body: Part, name: str = "toy") -> Graph:
+    return Graph(ToolFormat(name=name, body=body))
+
+
+def _texts(state: State) -> list[str]:
+    return [lit.text for lit, _ in state.options.literals]
+
+
+def _after(state: State, text: str) -> State:
+    (target,) = [target for lit, target in state.options.literals if lit.text == text]
+    return target
+
+
+def test_a_graph_offers_at_each_place_what_may_come_next() -> None:
+    """Opt, Choice and Repeat are empty edges, followed when a place's
+    options are read: the parser sees literals, one reader and the end."""
+    graph = _graph(
+        seq(
+            Lit("<a>"),
+            Opt(Lit("!")),
+            Name(),
+            Repeat(seq(Lit(","), Index())),
+            choice(Lit("</a>"), Lit("</b>")),
+        )
+    )
+    start = graph.start
+    assert (_texts(start), start.options.reader, start.options.end) == (["<a>"], None, False)
+    opened = _after(start, "<a>")
+    assert _texts(opened) == ["!"]
+    assert opened.options.reader is not None
+    assert isinstance(opened.options.reader[0], Name)
+    assert not opened.options.end
+    # After the optional literal the same reader comes, at the same place.
+    assert _after(opened, "!").options.reader == opened.options.reader
+    named = opened.options.reader[1]
+    assert sorted(_texts(named)) == [",", "</a>", "</b>"]
+    assert named.options.reader is None
+    looped = _after(named, ",").options.reader
+    assert looped is not None
+    assert isinstance(looped[0], Index)
+    # The loop comes back to where it started: the same state, compiled once.
+    assert looped[1] is named
+    assert graph.state(named.node) is named
+    for closing in ("</a>", "</b>"):
+        ended = _after(named, closing)
+        assert ended.options.end_only
+        assert (ended.options.literals, ended.options.reader) == ((), None)
+    assert [lit.text for lit, _ in graph.entry] == ["<a>"]
+
+
+def test_an_optional_tail_may_end_the_markup_or_go_on() -> None:
+    graph = _graph(seq(Lit("["), Name(), Lit("]"), Opt(Lit("<end>"))))
+    named = _after(graph.start, "[").options.reader
+    assert named is not None
+    after = _after(named[1], "]")
+    assert (_texts(after), after.options.end, after.options.end_only) == (["<end>"], True, False)
+    assert _after(after, "<end>").options.end_only
+
+
+def test_two_readers_at_one_place_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"^twice: two readers at one place$"):
+        _graph(seq(Lit("<a>"), choice(Name(), Index())), name="twice")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [seq(Name(), Lit(">")), seq(Opt(Lit("<a>")), Name()), seq(Opt(Lit("<a>")))],
+)
+def test_the_markup_must_open_with_a_literal(body: Part) -> None:
+    with pytest.raises(ValueError, match=r"^opening: the markup must open with a literal$"):
+        _ = _graph(body, name="opening").entry
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        choice(Lit("<a"), Lit("<ab")),
+        seq(Lit("<x>"), Name(), choice(Lit("</ab"), Lit("</a"))),
+        seq(Lit("<x>"), Repeat(seq(Lit(";"), Name())), Lit(";;")),
+        seq(Lit("<x>"), Name(), Lit(">"), Index(), Opt(Lit("</a")), Lit("</ab")),
+    ],
+)
+def test_a_literal_that_starts_a_sibling_is_refused_wherever_it_is(body: Part) -> None:
+    with pytest.raises(ValueError, match=r"^prefixed: '[^']+' is a prefix of a sibling$"):
+        _graph(body, name="prefixed")
+
+
+def test_siblings_that_share_a_start_but_are_not_prefixes_compile() -> None:
+    graph = _graph(seq(Lit("<x>"), Name(), choice(Lit("</a>"), Lit("</b>"), Lit("</a>"))))
+    named = _after(graph.start, "<x>").options.reader
+    assert named is not None
+    assert sorted(_texts(named[1])) == ["</a>", "</a>", "</b>"]
