@@ -120,6 +120,27 @@ def test_each_family_renders_what_its_models_write_and_reads_it_back(
         assert _calls(family, "Sure. " + text, parallel=False) == expected[:1]
 
 
+@pytest.mark.parametrize(
+    ("family", "section"),
+    [
+        ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁calls▁end｜>"),
+        ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁calls▁end｜>"),
+        ("kimi_k2", "<|tool_calls_section_begin|><|tool_calls_section_end|>"),
+        ("minimax_m2", "<minimax:tool_call>\n</minimax:tool_call>"),
+    ],
+)
+def test_a_section_of_calls_holds_at_least_one_so_an_empty_one_is_text(
+    family: str, section: str
+) -> None:
+    reading = parser(family, tools=_TOOLS)
+    text = f"Sure. {section} ok"
+    events: list[Event] = []
+    for index, char in enumerate(text):
+        events += reading.feed([content(index, char)])
+    routed = route([*events, *reading.finish()])
+    assert (routed.content, routed.call_list, routed.dropped) == (text, [], "")
+
+
 #: The markers each family's tokenizers hold as one token (vLLM's parsers
 #: match them as such): the tokenizer must show them in the text it decodes.
 _SPECIAL = {
