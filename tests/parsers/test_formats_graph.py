@@ -29,7 +29,7 @@ from sluiceway.parsers.formats.spec import (
     seq,
 )
 
-from .harness import route
+from .harness import Routed, route
 
 _TWO = [Call("get_weather", {"city": "Paris é", "tags": ["é"]}), Call("get_time", {})]
 
@@ -45,14 +45,20 @@ _TOOLS = (
 )
 
 
-def _calls(family: str, text: str, *, parallel: bool = True) -> list[tuple[str, object]]:
-    """The calls ``family``'s parser reads from ``text``, fed a character a token."""
+def _read(family: str, text: str, *, parallel: bool = True) -> Routed:
+    """What ``family``'s parser makes of ``text``, fed a character a token."""
     reading = parser(family, tools=_TOOLS, parallel_tool_calls=parallel)
     events: list[Event] = []
     for index, char in enumerate(text):
         events += reading.feed([content(index, char)])
-    events += reading.finish()
-    return [(name, json.loads(arguments)) for name, arguments in route(events).call_list]
+    return route([*events, *reading.finish()])
+
+
+def _calls(family: str, text: str, *, parallel: bool = True) -> list[tuple[str, object]]:
+    return [
+        (name, json.loads(arguments))
+        for name, arguments in _read(family, text, parallel=parallel).call_list
+    ]
 
 
 class _Spread(Style):
@@ -132,12 +138,8 @@ def test_each_family_renders_what_its_models_write_and_reads_it_back(
 def test_a_section_of_calls_holds_at_least_one_so_an_empty_one_is_text(
     family: str, section: str
 ) -> None:
-    reading = parser(family, tools=_TOOLS)
     text = f"Sure. {section} ok"
-    events: list[Event] = []
-    for index, char in enumerate(text):
-        events += reading.feed([content(index, char)])
-    routed = route([*events, *reading.finish()])
+    routed = _read(family, text)
     assert (routed.content, routed.call_list, routed.dropped) == (text, [], "")
 
 
