@@ -326,6 +326,13 @@ def test_the_markup_must_open_with_a_literal(body: Part) -> None:
         seq(Lit("<x>"), Name(), choice(Lit("</ab"), Lit("</a"))),
         seq(Lit("<x>"), Repeat(seq(Lit(";"), Name())), Lit(";;")),
         seq(Lit("<x>"), Name(), Lit(">"), Index(), Opt(Lit("</a")), Lit("</ab")),
+        # Checked past a place already seen (the loop back to "b")...
+        seq(Lit("<x>"), Repeat(Lit("b")), Lit("c"), choice(Lit("d"), Lit("dd"))),
+        # ...and in a branch left waiting while another one is walked.
+        seq(
+            Lit("<x>"),
+            choice(seq(Lit("b"), Lit("e")), seq(Lit("a"), choice(Lit("d"), Lit("dd")))),
+        ),
     ],
 )
 def test_a_literal_that_starts_a_sibling_is_refused_wherever_it_is(body: Part) -> None:
@@ -338,3 +345,12 @@ def test_siblings_that_share_a_start_but_are_not_prefixes_compile() -> None:
     named = _after(graph.start, "<x>").options.reader
     assert named is not None
     assert sorted(_texts(named[1])) == ["</a>", "</a>", "</b>"]
+
+
+def test_a_loop_of_empty_edges_is_closed_over_once() -> None:
+    """A repeated optional part loops back through empty edges alone."""
+    graph = _graph(seq(Lit("<x>"), Repeat(Opt(Lit("a"))), Lit("</x>")))
+    looped = _after(graph.start, "<x>")
+    assert sorted(_texts(looped)) == ["</x>", "a"]
+    assert _after(looped, "a") is looped
+    assert _after(looped, "</x>").options.end_only
