@@ -9,6 +9,7 @@ import pytest
 from hypothesis import Phase, settings
 
 from sluiceway.engines.default_model import default_model_dir
+from sluiceway.parsers import formats
 from tests.e2e.scripts import ALL_SCRIPTS
 from tests.fixtures.scripted_model import ScriptedModel, build_scripted_model
 
@@ -25,6 +26,18 @@ if os.environ.get("CI"):
 settings.register_profile("mutate", phases=[Phase.explicit, Phase.generate], database=None)
 if os.environ.get("SLUICEWAY_MUTATE"):
     settings.load_profile("mutate")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under `make mutate`, each test builds the tool-call formats and their
+    graphs anew. mutmut imports everything and runs its stats pass in one
+    process, then forks a child per mutant and switches the mutant on there:
+    a build cached before the fork would never run with the mutant on (and
+    the stats pass would tie the builders to the one test that first built
+    them, so a mutant of theirs would run only that test)."""
+    if os.environ.get("SLUICEWAY_MUTATE"):
+        formats.formats.cache_clear()
+        formats.graphs.cache_clear()
 
 
 @pytest.fixture(params=["asyncio", "trio"])

@@ -70,8 +70,10 @@ REASONING_PARSERS: Mapping[str, Callable[[], PrimedStage]] = MappingProxyType(
     {name: reasoning.parser_of(dialect) for name, dialect in reasoning.DIALECTS.items()}
 )
 
+# Reading GRAPHS compiles every format's graph here, when the server imports
+# the registry at start-up, rather than in a first request.
 TOOL_PARSERS: Mapping[str, ToolParserFactory] = MappingProxyType(
-    {name: functools.partial(formats.parser, name) for name in FORMATS}
+    {name: functools.partial(formats.parser, name) for name in formats.GRAPHS}
 )
 
 

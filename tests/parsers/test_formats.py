@@ -317,9 +317,9 @@ def test_pythonic_arguments_render_as_the_models_write_them() -> None:
 
 @pytest.mark.parametrize("family", sorted(FORMATS))
 def test_a_graph_compiled_now_reads_what_the_imported_one_reads(family: str) -> None:
-    """GRAPHS is compiled at import; compiling the description again in the
-    test is what reaches the spec's parts (mutmut only sees calls made while
-    a test runs)."""
+    """GRAPHS is compiled once, on first use; compiling the description
+    again in the test reaches the spec's parts from this test itself (mutmut
+    ties a function to the tests that call it)."""
     # A string parameter after the first: pythonic keys after a comma are
     # Python keys too (their values are literals, not text).
     drawn = [

@@ -3,12 +3,24 @@
 Each description is checked against the family's published chat template and
 vLLM's parser for it; where a family writes optional whitespace, the
 canonical rendering (``pre``) follows the template.
+
+The families are built on first use, by :func:`formats`, not at import: a
+description assembled by a helper of this module (``_glm``, ``_deepseek``,
+``_json_object_call``, ``_python_call``) is then assembled by whatever that
+helper is when it first runs. Mutation testing depends on it: mutmut imports
+the package once and switches a mutant on in each forked child, so a
+description built at import would never see the mutant; under
+``SLUICEWAY_MUTATE=1`` tests/conftest.py clears the cache before each test
+(``formats.cache_clear()``). A server builds them at start-up all the same
+(:mod:`sluiceway.parsers.registry` compiles every graph when it is imported).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from functools import cache
 from types import MappingProxyType
+from typing import TypeVar
 
 from sluiceway.parsers.formats.spec import (
     Index,
@@ -107,11 +119,6 @@ def _glm(name: str, newline: str) -> ToolFormat:
     )
 
 
-#: GLM-4.5 and 4.6 write a newline after the name and between the tags.
-GLM45 = _glm("glm45", "\n")
-#: GLM-4.7 writes the tags back to back.
-GLM47 = _glm("glm47", "")
-
 _KIMI_CALL = seq(
     Lit("<|tool_call_begin|>"),
     Lit("functions."),
@@ -182,45 +189,41 @@ def _deepseek(name: str, call: Part) -> ToolFormat:
     )
 
 
-#: DeepSeek V3.1: ``NAME<｜tool▁sep｜>{json}``.
-DEEPSEEK_V31 = _deepseek(
-    "deepseek_v31",
-    seq(
-        Lit("<｜tool▁call▁begin｜>"),
-        Name(),
-        Lit("<｜tool▁sep｜>", tight=True),
-        JsonArguments(),
-        Lit("<｜tool▁call▁end｜>", ends_args=True),
-    ),
+#: DeepSeek V3.1's call: ``NAME<｜tool▁sep｜>{json}``.
+_DEEPSEEK_V31_CALL = seq(
+    Lit("<｜tool▁call▁begin｜>"),
+    Name(),
+    Lit("<｜tool▁sep｜>", tight=True),
+    JsonArguments(),
+    Lit("<｜tool▁call▁end｜>", ends_args=True),
 )
 
-#: DeepSeek V3 and R1: ``function<｜tool▁sep｜>NAME`` and a fenced JSON block.
-DEEPSEEK_V3 = _deepseek(
-    "deepseek_v3",
-    seq(
-        Lit("<｜tool▁call▁begin｜>"),
-        Lit("function"),
-        Lit("<｜tool▁sep｜>", tight=True),
-        Name(),
-        Lit("```json", pre="\n"),
-        JsonArguments(pre="\n"),
-        Lit("```", pre="\n"),
-        Lit("<｜tool▁call▁end｜>", ends_args=True),
-    ),
+#: DeepSeek V3 and R1's call: ``function<｜tool▁sep｜>NAME`` and a fenced JSON block.
+_DEEPSEEK_V3_CALL = seq(
+    Lit("<｜tool▁call▁begin｜>"),
+    Lit("function"),
+    Lit("<｜tool▁sep｜>", tight=True),
+    Name(),
+    Lit("```json", pre="\n"),
+    JsonArguments(pre="\n"),
+    Lit("```", pre="\n"),
+    Lit("<｜tool▁call▁end｜>", ends_args=True),
 )
 
 _LLAMA_KEYS = ('"parameters"', '"arguments"')
 
-LLAMA3_JSON = ToolFormat(
-    name="llama3_json",
-    body=seq(
-        Opt(Lit("<|python_tag|>")),
-        _json_object_call(pre="", keys=_LLAMA_KEYS),
-        Repeat(seq(Lit(";"), _json_object_call(pre=" ", keys=_LLAMA_KEYS))),
-    ),
-    at_start=True,
-    special=("<|python_tag|>",),
-)
+
+def _llama3_json() -> ToolFormat:
+    return ToolFormat(
+        name="llama3_json",
+        body=seq(
+            Opt(Lit("<|python_tag|>")),
+            _json_object_call(pre="", keys=_LLAMA_KEYS),
+            Repeat(seq(Lit(";"), _json_object_call(pre=" ", keys=_LLAMA_KEYS))),
+        ),
+        at_start=True,
+        special=("<|python_tag|>",),
+    )
 
 
 def _python_call(pre: str) -> Part:
@@ -232,58 +235,89 @@ def _python_call(pre: str) -> Part:
     )
 
 
-PYTHONIC = ToolFormat(
-    name="pythonic",
-    body=seq(
-        Opt(Lit("<|python_start|>")),
-        Lit("["),
-        _python_call(""),
-        Repeat(seq(Lit(","), _python_call(" "))),
-        Lit("]"),
-        Opt(Lit("<|python_end|>")),
-    ),
-    at_start=True,
-    name_chars=r"[\w.\-]",
-    special=("<|python_start|>", "<|python_end|>"),
-)
+def _pythonic() -> ToolFormat:
+    return ToolFormat(
+        name="pythonic",
+        body=seq(
+            Opt(Lit("<|python_start|>")),
+            Lit("["),
+            _python_call(""),
+            Repeat(seq(Lit(","), _python_call(" "))),
+            Lit("]"),
+            Opt(Lit("<|python_end|>")),
+        ),
+        at_start=True,
+        name_chars=r"[\w.\-]",
+        special=("<|python_start|>", "<|python_end|>"),
+    )
+
 
 _MISTRAL_CALL = seq(Name(), Lit("[ARGS]", tight=True), JsonArguments())
 
-MISTRAL = ToolFormat(
-    name="mistral",
-    body=seq(
-        Lit("[TOOL_CALLS]"),
-        choice(
-            # Mistral Small 3.2, Devstral, Magistral (tokenizer v11 and later).
-            seq(_MISTRAL_CALL, Repeat(seq(Lit("[TOOL_CALLS]"), _MISTRAL_CALL))),
-            # Earlier models: a JSON list of calls.
-            seq(
-                Lit("["),
-                _json_object_call(pre="", keys=('"arguments"',)),
-                Repeat(seq(Lit(","), _json_object_call(pre=" ", keys=('"arguments"',)))),
-                Lit("]"),
+
+def _mistral() -> ToolFormat:
+    return ToolFormat(
+        name="mistral",
+        body=seq(
+            Lit("[TOOL_CALLS]"),
+            choice(
+                # Mistral Small 3.2, Devstral, Magistral (tokenizer v11 and later).
+                seq(_MISTRAL_CALL, Repeat(seq(Lit("[TOOL_CALLS]"), _MISTRAL_CALL))),
+                # Earlier models: a JSON list of calls.
+                seq(
+                    Lit("["),
+                    _json_object_call(pre="", keys=('"arguments"',)),
+                    Repeat(seq(Lit(","), _json_object_call(pre=" ", keys=('"arguments"',)))),
+                    Lit("]"),
+                ),
             ),
         ),
-    ),
-    name_chars=r'[^"\\<>\s\x00-\x1f\[]',
-    special=("[TOOL_CALLS]", "[ARGS]"),
-)
+        name_chars=r'[^"\\<>\s\x00-\x1f\[]',
+        special=("[TOOL_CALLS]", "[ARGS]"),
+    )
 
-FORMATS: Mapping[str, ToolFormat] = MappingProxyType(
-    {
-        fmt.name: fmt
-        for fmt in (
-            HERMES,
-            QWEN3_CODER,
-            GLM45,
-            GLM47,
-            KIMI_K2,
-            MINIMAX_M2,
-            DEEPSEEK_V31,
-            DEEPSEEK_V3,
-            LLAMA3_JSON,
-            PYTHONIC,
-            MISTRAL,
-        )
-    }
-)
+
+@cache
+def formats() -> Mapping[str, ToolFormat]:
+    """Every family by its vLLM parser name, built once, on first use."""
+    built = (
+        HERMES,
+        QWEN3_CODER,
+        # GLM-4.5 and 4.6 write a newline after the name and between the tags;
+        # GLM-4.7 writes the tags back to back.
+        _glm("glm45", "\n"),
+        _glm("glm47", ""),
+        KIMI_K2,
+        MINIMAX_M2,
+        _deepseek("deepseek_v31", _DEEPSEEK_V31_CALL),
+        _deepseek("deepseek_v3", _DEEPSEEK_V3_CALL),
+        _llama3_json(),
+        _pythonic(),
+        _mistral(),
+    )
+    return MappingProxyType({fmt.name: fmt for fmt in built})
+
+
+_V = TypeVar("_V")
+
+
+class OnFirstUse(Mapping[str, _V]):
+    """A read-only mapping that reads ``build()`` at each access: a name bound
+    at import (``from ... import FORMATS``) still sees what ``build`` returns
+    now, so the cached build may be cleared and made again."""
+
+    def __init__(self, build: Callable[[], Mapping[str, _V]]) -> None:
+        self._build = build
+
+    def __getitem__(self, key: str) -> _V:
+        return self._build()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._build())
+
+    def __len__(self) -> int:
+        return len(self._build())
+
+
+#: :func:`formats`, readable as a mapping from import on.
+FORMATS: Mapping[str, ToolFormat] = OnFirstUse(formats)
