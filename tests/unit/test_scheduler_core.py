@@ -1427,7 +1427,8 @@ def test_a_choice_ended_while_its_row_is_parked_never_comes_back(restoring: bool
         output.full = False
         machine.core.command(Resume(request_id="r0"), machine.now)
         planned = machine.core.plan({}, machine.now)
-        assert planned is not None and len(planned.plan.prefills) == 2
+        assert planned is not None
+        assert len(planned.plan.prefills) == 2
         machine.owners.update((work.slot, work.request_id) for work in planned.plan.prefills)
         machine.core.started()
         outcome = execute(machine.engine, planned.plan)  # type: ignore[arg-type]
