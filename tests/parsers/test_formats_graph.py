@@ -15,7 +15,7 @@ from sluiceway.parsers.formats import FORMATS, GRAPHS, parser
 from sluiceway.parsers.formats.arguments import ToolSchema
 from sluiceway.parsers.formats.families import OnFirstUse
 from sluiceway.parsers.formats.graph import Graph, State
-from sluiceway.parsers.formats.render import Call, Style, render
+from sluiceway.parsers.formats.render import Call, render
 from sluiceway.parsers.formats.spec import (
     Index,
     Lit,
@@ -30,6 +30,7 @@ from sluiceway.parsers.formats.spec import (
 )
 
 from .harness import Routed, route
+from .test_formats import _Spread
 
 _TWO = [Call("get_weather", {"city": "Paris é", "tags": ["é"]}), Call("get_time", {})]
 
@@ -59,19 +60,6 @@ def _calls(family: str, text: str, *, parallel: bool = True) -> list[tuple[str, 
         (name, json.loads(arguments))
         for name, arguments in _read(family, text, parallel=parallel).call_list
     ]
-
-
-class _Spread(Style):
-    """Every optional space and no optional newline (as test_formats' style)."""
-
-    def space(self, pre: str) -> str:
-        return "  "
-
-    def newline(self, pre: str) -> str:
-        return ""
-
-    def pick(self, count: int) -> int:
-        return count - 1
 
 
 # test_formats.py pins pythonic, mistral, llama3_json, glm47 and qwen3_coder.
@@ -150,27 +138,14 @@ def test_a_section_of_calls_holds_at_least_one_so_an_empty_one_is_text(
     assert reading.finish() == []
 
 
+_GLM = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 #: The markers each family's tokenizers hold as one token (vLLM's parsers
 #: match them as such): the tokenizer must show them in the text it decodes.
 _SPECIAL = {
     "hermes": ("<tool_call>", "</tool_call>"),
     "qwen3_coder": ("<tool_call>", "</tool_call>"),
-    "glm45": (
-        "<tool_call>",
-        "</tool_call>",
-        "<arg_key>",
-        "</arg_key>",
-        "<arg_value>",
-        "</arg_value>",
-    ),
-    "glm47": (
-        "<tool_call>",
-        "</tool_call>",
-        "<arg_key>",
-        "</arg_key>",
-        "<arg_value>",
-        "</arg_value>",
-    ),
+    "glm45": _GLM,
+    "glm47": _GLM,
     "kimi_k2": (
         "<|tool_calls_section_begin|>",
         "<|tool_calls_section_end|>",
