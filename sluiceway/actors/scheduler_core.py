@@ -884,6 +884,7 @@ class SchedulerCore:
     def _close(self, request: Request) -> None:
         if self._requests.pop(request.spec.request_id, None) is None:
             return
+        # Dropping each choice also forgets the parked ones (paused or being restored).
         for choice in list(request.choices.values()):
             self._drop_choice(request, choice, close=False)
         if request in self._waiting:
@@ -892,10 +893,6 @@ class SchedulerCore:
         if request in self._prefilling:
             self._prefilling.remove(request)
             self._to_free += request.slots
-        self._paused = [c for c in self._paused if c.request is not request]
-        for slot in [s for s, r in self._restoring.items() if r.choice.request is request]:
-            del self._restoring[slot]
-            self._to_free.append(slot)
         if request.hold is not None and self._prefix is not None:
             self._prefix.release(request.hold)
             request.hold = None
