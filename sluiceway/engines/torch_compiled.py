@@ -58,8 +58,8 @@ logger = logging.getLogger(__name__)
 #: docs/engines.md). Read when OpenMP starts, so set before the process is.
 PROCESS_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
 
-#: ``--compile``'s choices.
-MODES = ("off", "on")
+#: ``--compile``'s choices (auto: :mod:`~sluiceway.engines.compile_choice`).
+MODES = ("off", "on", "auto")
 #: Row counts of the compiled graphs: a batch is padded up to the next one.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 

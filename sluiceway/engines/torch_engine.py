@@ -42,8 +42,9 @@ padding that every remaining row shares, so attention stops paying for it.
 The time axis grows geometrically and the rows double, so the amortised cost
 of a decode step is one in-place write per layer.
 
-With ``--compile on`` a decode step of up to ``--compile-max-batch`` rows
-runs a graph that ``torch.compile`` made of the model's forward, over the
+With ``--compile on`` (or ``auto``, where it measured faster: see
+:mod:`sluiceway.engines.compile_choice`) a decode step of up to
+``--compile-max-batch`` rows runs a graph that ``torch.compile`` made of the model's forward, over the
 same buffers (:meth:`KVRows.padded_inputs`,
 :mod:`sluiceway.engines.torch_compiled`); everything else stays eager.
 """
@@ -54,6 +55,7 @@ import functools
 import inspect
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +74,15 @@ from sluiceway.engines.base import (
     SplitKV,
     config_max_context,
 )
+from sluiceway.engines.compile_choice import (
+    Verdict,
+    VerdictStore,
+    decide,
+    scratch_prompts,
+    time_rounds,
+    verdict_key,
+)
+from sluiceway.engines.default_model import default_cache_dir
 from sluiceway.engines.device import resolve_device
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.memory import host_available_bytes
@@ -458,6 +469,7 @@ class TransformersEngine:
         threads: int = 0,
         compile: str = "off",
         compile_max_batch: int = 32,
+        compile_verdicts: VerdictStore | None = None,
     ) -> None:
         self._device = resolve_device(device)
         self._dtype = resolve_dtype(dtype, source.config, self._device)
@@ -488,6 +500,9 @@ class TransformersEngine:
             free_memory_bytes=_free_memory(self._device),
             threads=self._threads if self._device.type == "cpu" else 0,
         )
+        if compile == "auto" and self._compiled is not None:
+            store = compile_verdicts or VerdictStore(default_cache_dir() / "compile")
+            self._compiled = self._choose_compiled(self._compiled, source, store)
         logger.info(
             "transformers engine: %s on %s, %s, %d threads",
             source.name,
@@ -714,6 +729,71 @@ class TransformersEngine:
         logits: torch.Tensor = output.logits[0]
         return logits
 
+    def _choose_compiled(
+        self, step: CompiledStep, source: ModelSource, store: VerdictStore
+    ) -> CompiledStep | None:
+        """``--compile auto``: ``step`` with every bucket compiled, if it
+        decodes faster than the eager step (:mod:`~sluiceway.engines.compile_choice`)."""
+        key = verdict_key(
+            source.path,
+            dtype=self._info.dtype,
+            threads=self._threads,
+            torch_version=torch.__version__,
+        )
+        verdict, how = store.load(key), "stored"
+        if verdict is None:
+            verdict, how = self._time_compiled(step), "measured"
+            if not step.active:  # not stored: a missing compiler may be installed later
+                return None
+            store.save(key, verdict)
+        if not verdict.keep:
+            logger.info(
+                "--compile auto: decoding eagerly (compiled step %.2fx, %s)", verdict.speedup, how
+            )
+            return None
+        for bucket in step.buckets:  # compiled now, so that no request waits for it
+            self._scratch_decode(bucket, step)
+        logger.info(
+            "--compile auto: compiled decode step (%.2fx at batch 1, %s), buckets %s",
+            verdict.speedup,
+            how,
+            ", ".join(map(str, step.buckets)),
+        )
+        return step if step.active else None
+
+    def _time_compiled(self, step: CompiledStep) -> Verdict:
+        """Time one scratch row's eager and compiled decode steps."""
+        prompt = next(iter(scratch_prompts(1, self._info.vocab_size)))
+        self.prefill(0, prompt)
+
+        def through(compiled: CompiledStep | None) -> Callable[[], None]:
+            def one() -> None:
+                self._compiled = compiled
+                self.decode({0: prompt[0]})
+
+            return one
+
+        try:
+            eager, compiled = time_rounds(through(None), through(step), time.perf_counter)
+        finally:
+            self._compiled = None
+            self.free(0)
+        return decide(eager, compiled)
+
+    def _scratch_decode(self, rows: int, step: CompiledStep) -> None:
+        """One decode step of ``rows`` scratch rows through ``step`` (which
+        compiles its bucket), then nothing left of them."""
+        prompts = list(scratch_prompts(rows, self._info.vocab_size))
+        for slot, prompt in enumerate(prompts):
+            self.prefill(slot, prompt)
+        self._compiled = step
+        try:
+            self.decode({slot: prompt[0] for slot, prompt in enumerate(prompts)})
+        finally:
+            self._compiled = None
+            for slot in range(rows):
+                self.free(slot)
+
     @property
     def compiled_step(self) -> CompiledStep | None:
         """The compiled decode step (``--compile``), if one was built."""
@@ -739,7 +819,9 @@ class TransformersEngine:
                 ", ".join(map(str, buckets)),
             )
             return CompiledStep(self._model, self._cache_keyword, buckets=buckets)
-        logger.warning("--compile %s: decoding eagerly, %s", mode, why)
+        # auto is the default: a model it does not suit is no cause for a warning
+        log = logger.info if mode == "auto" else logger.warning
+        log("--compile %s: decoding eagerly, %s", mode, why)
         return None
 
     def _forward(self, rows: KVRows, ids: torch.Tensor, *, keep: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 CHOICES: dict[str, tuple[str, ...]] = {
     "engine": ("auto", "mlx", "transformers", "vllm"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
-    "compile": ("off", "on"),
+    "compile": ("off", "on", "auto"),
     "worker_class": ("asyncio", "trio"),
     "logprobs_mode": ("raw", "processed"),
     "reasoning_field": ("reasoning_content", "reasoning", "both"),
@@ -53,7 +53,7 @@ class ServerConfig:
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     #: The transformers engine's decode step through ``torch.compile`` (CPU).
-    compile: Literal["off", "on"] = "off"
+    compile: Literal["off", "on", "auto"] = "auto"
     #: The largest batch the compiled step pads to; larger ones decode eagerly.
     compile_max_batch: int = 32
     #: None: a child process on the CPU, the engine thread on a GPU (and in

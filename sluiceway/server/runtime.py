@@ -172,7 +172,7 @@ def _start_engine(config: ServerConfig, source: ModelSource) -> Engine | VllmEng
 def _start_vllm(config: ServerConfig, source: ModelSource) -> VllmEngine:
     if config.device != "auto" or config.engine_process is not None:
         logger.warning("--engine vllm ignores --device and --engine-process: vLLM places its work")
-    if config.compile != "off":
+    if config.compile == "on":
         logger.warning("--engine vllm ignores --compile: vLLM compiles unless --enforce-eager")
     args = engine_args(
         str(source.path),

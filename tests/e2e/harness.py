@@ -120,7 +120,17 @@ def start_server(
     # says otherwise, since --dtype auto is bfloat16 on a CPU with AVX512-BF16
     # or AMX (the environment variable for the app factory, the flag for
     # `sluiceway serve`).
-    env = {"SLUICEWAY_DTYPE": "float32", **os.environ, "PYTHONUNBUFFERED": "1"}
+    # Eager unless a test asks: --compile auto (the default) would time and
+    # compile the decode step at every start, seconds to minutes of CPU that
+    # the suite's servers cannot spare (tests/engines covers the compiled step).
+    env = {
+        "SLUICEWAY_DTYPE": "float32",
+        "SLUICEWAY_COMPILE": "off",
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+    }
+    if not any(a.startswith("--compile") for a in extra_args):
+        extra_args = (*extra_args, "--compile", "off")
     if _engine_of(extra_args) == "vllm":
         env = {**VLLM_ENVIRONMENT, **env}
         extra_args = (*extra_args, *VLLM_FLAGS)

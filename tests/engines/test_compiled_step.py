@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from sluiceway.engines import torch_engine
+from sluiceway.engines.compile_choice import Verdict, VerdictStore, time_rounds
 from sluiceway.engines.loader import ModelSource, resolve_model
 from sluiceway.engines.torch_compiled import CompiledStep, bucket_for
 from sluiceway.engines.torch_engine import TransformersEngine
@@ -207,4 +208,117 @@ def test_a_sliding_window_model_decodes_eagerly_and_says_why(
     assert "sliding-window" in caplog.text
     engine.prefill(0, prompt(30, 12))
     assert engine.decode({0: 5}).logits.shape == (1, engine.info.vocab_size)
+    engine.close()
+
+
+# -- --compile auto: the verdict, taken with a cheap backend ------------------------------
+# Dynamo without Inductor (backend "eager") traces the same step in a second or
+# so: what auto decides is under test here, the graphs' equality is above.
+
+
+def _auto_engine(source: ModelSource, store: VerdictStore) -> TransformersEngine:
+    return TransformersEngine(
+        source, dtype="float32", compile="auto", compile_max_batch=2, compile_verdicts=store
+    )
+
+
+def _timed(eager: float, compiled: float) -> Any:
+    """``time_rounds`` running each kind of step once (so the scratch row
+    really decodes both ways), then reporting the given step times."""
+
+    def timed(*args: Any, **kwargs: Any) -> tuple[list[float], list[float]]:
+        real_eager, real_compiled = time_rounds(*args, rounds=1, steps=1)
+        assert len(real_eager) == len(real_compiled) == 1
+        return [eager] * 3, [compiled] * 3
+
+    return timed
+
+
+def _untimed(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("a stored verdict is not measured again")
+
+
+@pytest.fixture
+def cheap_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        torch_engine, "CompiledStep", functools.partial(CompiledStep, backend="eager")
+    )
+
+
+@pytest.mark.usefixtures("cheap_compile")
+def test_auto_keeps_a_faster_step_and_compiles_its_buckets_before_serving(
+    tiny_model: ModelSource,
+    eager: TransformersEngine,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch_engine, "time_rounds", _timed(eager=2e-3, compiled=1e-3))
+    store = VerdictStore(tmp_path)
+    engine = _auto_engine(tiny_model, store)
+    step = engine.compiled_step
+    assert step is not None
+    assert step.buckets == (1, 2)
+    assert all(count >= 1 for count in step.steps.values()), step.steps  # compiled at start
+    (stored,) = tmp_path.iterdir()
+    assert VerdictStore(tmp_path).load(stored.stem) == Verdict(speedup=2.0, keep=True)
+    # The scratch rows are gone: every slot is free, and rows decode as the eager engine's.
+    prompts = {0: prompt(40, 9), 1: prompt(41, 5)}
+    got = run_schedule(engine, prompts, {0: [0, 1]}, {}, 3)
+    expected = run_schedule(eager, prompts, {0: [0, 1]}, {}, 3)
+    for (slot, trace), (_, want) in zip(got, expected, strict=True):
+        assert_same_trace(trace, want, f"slot {slot}")
+    engine.close()
+    # A later start takes the stored verdict without timing again.
+    monkeypatch.setattr(torch_engine, "time_rounds", _untimed)
+    again = _auto_engine(tiny_model, store)
+    assert again.compiled_step is not None
+    again.close()
+
+
+@pytest.mark.usefixtures("cheap_compile")
+def test_auto_decodes_eagerly_where_the_compiled_step_is_not_faster(
+    tiny_model: ModelSource,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(torch_engine, "time_rounds", _timed(eager=1.05e-3, compiled=1e-3))
+    store = VerdictStore(tmp_path)
+    with caplog.at_level(logging.INFO, logger="sluiceway.engines.torch_engine"):
+        engine = _auto_engine(tiny_model, store)
+    assert engine.compiled_step is None
+    assert "decoding eagerly (compiled step 1.05x, measured)" in caplog.text
+    engine.prefill(0, prompt(42, 6))
+    assert engine.decode({0: 5}).slots == (0,)
+    engine.close()
+    (stored,) = tmp_path.iterdir()
+    assert store.load(stored.stem) == Verdict(speedup=1.05, keep=False)
+    # Later starts neither time nor compile.
+    monkeypatch.setattr(torch_engine, "time_rounds", _untimed)
+    monkeypatch.setattr(torch_engine, "CompiledStep", functools.partial(_CountingStep))
+    again = _auto_engine(tiny_model, store)
+    assert again.compiled_step is None
+    assert _CountingStep.calls == 0
+    again.close()
+
+
+class _CountingStep(CompiledStep):
+    calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        _CountingStep.calls += 1
+        return super().__call__(*args, **kwargs)
+
+
+def test_auto_stores_no_verdict_when_compiling_fails(
+    tiny_model: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        torch_engine, "CompiledStep", functools.partial(CompiledStep, backend=_failing_backend)
+    )
+    engine = _auto_engine(tiny_model, VerdictStore(tmp_path))
+    assert engine.compiled_step is None
+    assert list(tmp_path.iterdir()) == []
+    engine.prefill(0, prompt(43, 4))
+    assert engine.decode({0: 5}).slots == (0,)
     engine.close()

@@ -14,6 +14,7 @@ from sluiceway.actors.engine_work import PrefillWork, StepPlan, execute
 from sluiceway.actors.sampling import Draw
 from sluiceway.actors.thread_tuner import ThreadedEngine
 from sluiceway.engines.base import DropKV, KeepKV, SplitKV
+from sluiceway.engines.default_model import default_cache_dir
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.select import make_engine, process_environment
 from sluiceway.protocol.messages import LogprobParams, SamplingParams
@@ -318,7 +319,12 @@ def test_the_child_starts_with_the_engines_environment(monkeypatch: pytest.Monke
     assert os.environ["SLUICEWAY_TEST_KEPT"] == "parent"
     assert "OPENBLAS_THREAD_TIMEOUT" in process_environment("mlx")
     assert process_environment("transformers") == {}
-    assert process_environment("transformers", "on") == {"OMP_WAIT_POLICY": "PASSIVE"}
+    compiled = {
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "TORCHINDUCTOR_CACHE_DIR": str(default_cache_dir() / "inductor"),
+    }
+    assert process_environment("transformers", "on") == compiled
+    assert process_environment("transformers", "auto") == compiled
     assert process_environment("mlx", "on") == process_environment("mlx")
 
 

@@ -285,7 +285,7 @@ def test_a_daemonic_worker_keeps_the_engine_on_its_thread(
     before = torch.get_num_threads()
     with caplog.at_level(logging.INFO, logger="sluiceway.server.runtime"):
         engine = runtime._start_engine(
-            ServerConfig(engine="transformers", device="cpu"), tiny_model
+            ServerConfig(engine="transformers", device="cpu", compile="off"), tiny_model
         )
     try:
         assert isinstance(engine, TransformersEngine)

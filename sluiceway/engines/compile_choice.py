@@ -1,0 +1,154 @@
+"""``--compile auto``: the compiled decode step only where it measures faster.
+
+Theory of operation. The compiled step (:mod:`~sluiceway.engines.torch_compiled`)
+removes Python dispatch from a decode step. Where dispatch is most of a step
+(the tiny default model: about 1.5x at batch 1) that is a large gain; where the
+matrix products are (the 42M-parameter benchmark model on this repository's
+2-core host) it measured no gain at all, and each batch bucket still costs a
+compile (23-81 s cold, 1-7 s from Inductor's cache). So ``auto`` decides by
+timing, once per model and machine:
+
+1. At start-up, before the engine reports ready, one scratch row decodes
+   eagerly and through the compiled batch-1 graph, in alternating rounds.
+2. The compiled step is kept when its median step is at least
+   :data:`MIN_SPEEDUP` times faster; then every other bucket compiles at
+   start-up too, so no request waits for a compile. Otherwise the engine
+   decodes eagerly.
+3. The verdict is stored under the cache directory, keyed by the model's
+   files, the dtype, the thread count, torch's version and the CPU, so that
+   later starts skip the timing (and, for a loss, the compile). Delete
+   ``$XDG_CACHE_HOME/sluiceway/compile/`` to measure again.
+
+Why at start-up rather than in the background while eager steps serve: a
+compile on another thread of the engine's process is not safe. Tracing
+patches ``torch.nn.Module.__call__`` for the whole process, and an eager step
+running meanwhile failed inside that patch ("module is not installed as a
+submodule"); the `kernels` package's compile-aware context variable is process
+global, so guards saw the other thread's values; and the trace held the GIL
+for 1.3-2.4 s at a time, stalling the eager steps (measured with torch 2.13).
+Inductor's own asynchronous mode (``TORCHINDUCTOR_FX_COMPILE_MODE=async+subprocess``)
+cannot pickle this model's graph and compiles in process instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+#: The compiled step must beat the eager one by this factor to be kept: below
+#: it, a host's noise could flip the verdict, and the compile is not worth it.
+MIN_SPEEDUP = 1.1
+#: Alternating rounds of eager and compiled steps, and timed steps per round.
+ROUNDS = 3
+STEPS_PER_ROUND = 12
+#: Steps run before each round's timing (the first compiled one compiles).
+UNTIMED_STEPS = 2
+#: The scratch rows' prompt length.
+SCRATCH_PROMPT = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The outcome of timing the eager against the compiled decode step."""
+
+    #: Median eager step time ÷ median compiled step time, at batch 1.
+    speedup: float
+    #: Whether the compiled step is used.
+    keep: bool
+
+
+def decide(
+    eager: Sequence[float], compiled: Sequence[float], *, threshold: float = MIN_SPEEDUP
+) -> Verdict:
+    """The verdict of the step times (seconds) of each kind."""
+    if not eager or not compiled:
+        raise ValueError("both kinds of step need at least one timing")
+    fastest = statistics.median(compiled)
+    speedup = statistics.median(eager) / fastest if fastest > 0 else float("inf")
+    return Verdict(speedup=round(speedup, 3), keep=speedup >= threshold)
+
+
+def verdict_key(model_dir: Path, *, dtype: str, threads: int, torch_version: str) -> str:
+    """A digest of what the verdict depends on: the model's files (name, size,
+    modification time), the dtype, the thread count, torch and the CPU."""
+    files = sorted(
+        (path.name, stat.st_size, stat.st_mtime_ns)
+        for path in model_dir.iterdir()
+        if path.is_file()
+        for stat in [path.stat()]
+    )
+    described = json.dumps([str(model_dir.resolve()), files, dtype, threads, torch_version, _cpu()])
+    return hashlib.sha256(described.encode()).hexdigest()[:32]
+
+
+def _cpu() -> str:
+    """The CPU's model name and flags (what Inductor's code depends on)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(lines))
+
+
+class VerdictStore:
+    """Verdicts as small JSON files in one directory; an unreadable one is absent."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def load(self, key: str) -> Verdict | None:
+        try:
+            raw = json.loads((self.directory / f"{key}.json").read_text())
+            return Verdict(speedup=float(raw["speedup"]), keep=bool(raw["keep"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def save(self, key: str, verdict: Verdict) -> None:
+        """Write ``verdict``; a directory that cannot be written only costs a
+        measurement at the next start."""
+        target = self.directory / f"{key}.json"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            partial = target.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(asdict(verdict)))
+            partial.replace(target)
+        except OSError as error:
+            logger.warning("--compile auto: could not store the verdict in %s: %s", target, error)
+
+
+def time_rounds(
+    eager: Callable[[], None],
+    compiled: Callable[[], None],
+    clock: Callable[[], float],
+    *,
+    rounds: int = ROUNDS,
+    steps: int = STEPS_PER_ROUND,
+) -> tuple[list[float], list[float]]:
+    """Each kind's step times, from alternating rounds (so that a change in
+    the host's load falls on both)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(rounds):
+        for step, into in ((eager, times[0]), (compiled, times[1])):
+            for _ in range(UNTIMED_STEPS):
+                step()
+            for _ in range(steps):
+                started = clock()
+                step()
+                into.append(clock() - started)
+    return times
+
+
+def scratch_prompts(rows: int, vocab: int) -> Iterable[list[int]]:
+    """Distinct, deterministic prompts for ``rows`` scratch rows."""
+    for row in range(rows):
+        yield [(row * 7919 + position * 104729) % vocab for position in range(SCRATCH_PROMPT)]

@@ -1,0 +1,131 @@
+"""``--compile auto``'s pure parts: the verdict, its key, its store, the timing rounds."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import statistics
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sluiceway.engines.compile_choice import (
+    MIN_SPEEDUP,
+    SCRATCH_PROMPT,
+    UNTIMED_STEPS,
+    Verdict,
+    VerdictStore,
+    decide,
+    scratch_prompts,
+    time_rounds,
+    verdict_key,
+)
+
+
+def test_the_compiled_step_is_kept_from_the_threshold_up() -> None:
+    assert decide([1.1], [1.0]) == Verdict(speedup=1.1, keep=True)
+    assert decide([1.0999], [1.0]).keep is False
+    assert decide([2.0, 2.0, 2.0], [1.0, 1.0, 1.0]) == Verdict(speedup=2.0, keep=True)
+    assert decide([1.0], [1.0], threshold=1.0).keep is True
+    assert MIN_SPEEDUP > 1.0
+
+
+def test_one_slow_step_does_not_flip_the_verdict() -> None:
+    """Medians: a step the host preempted does not decide."""
+    assert decide([1.0, 1.0, 1.0, 1.0, 50.0], [1.0, 1.0, 1.0, 1.0, 1.0]).keep is False
+    assert decide([2.0, 2.0, 2.0], [1.0, 1.0, 30.0]).keep is True
+
+
+def test_a_verdict_needs_both_kinds_of_step() -> None:
+    with pytest.raises(ValueError, match="at least one timing"):
+        decide([], [1.0])
+    with pytest.raises(ValueError, match="at least one timing"):
+        decide([1.0], [])
+
+
+@given(
+    st.lists(st.floats(1e-4, 1.0), min_size=1, max_size=20),
+    st.lists(st.floats(1e-4, 1.0), min_size=1, max_size=20),
+)
+def test_keeping_is_a_speedup_at_the_threshold_or_above(
+    eager: list[float], compiled: list[float]
+) -> None:
+    verdict = decide(eager, compiled)
+    speedup = statistics.median(eager) / statistics.median(compiled)
+    assert verdict.keep == (speedup >= MIN_SPEEDUP)
+    assert verdict.speedup == round(speedup, 3)
+
+
+def _model(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"x" * 10)
+    return model
+
+
+def test_the_key_follows_the_model_files_and_the_settings(tmp_path: Path) -> None:
+    model = _model(tmp_path)
+    base = {"dtype": "float32", "threads": 2, "torch_version": "2.13.0"}
+    key = verdict_key(model, **base)  # type: ignore[arg-type]
+    assert key == verdict_key(model, **base)  # type: ignore[arg-type]
+    assert len(key) == 32
+    for change in ({"dtype": "bfloat16"}, {"threads": 1}, {"torch_version": "2.14.0"}):
+        assert verdict_key(model, **(base | change)) != key  # type: ignore[arg-type]
+    (model / "model.safetensors").write_bytes(b"y" * 11)
+    assert verdict_key(model, **base) != key  # type: ignore[arg-type]
+    other = tmp_path / "other"
+    model.rename(other)
+    assert verdict_key(other, **base) != key  # type: ignore[arg-type]
+
+
+def test_the_store_keeps_a_verdict_and_reads_nothing_from_a_bad_file(tmp_path: Path) -> None:
+    store = VerdictStore(tmp_path / "compile")
+    assert store.load("k") is None
+    store.save("k", Verdict(speedup=1.61, keep=True))
+    assert store.load("k") == Verdict(speedup=1.61, keep=True)
+    assert json.loads((tmp_path / "compile" / "k.json").read_text()) == {
+        "speedup": 1.61,
+        "keep": True,
+    }
+    assert [p.name for p in (tmp_path / "compile").iterdir()] == ["k.json"]
+    for broken in ("{", "[]", '{"speedup": 1.0}', '{"speedup": "x", "keep": true}'):
+        (tmp_path / "compile" / "k.json").write_text(broken)
+        assert store.load("k") is None, broken
+
+
+def test_a_store_over_a_file_only_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "compile").write_text("a file where the directory should be")
+    with caplog.at_level(logging.WARNING, logger="sluiceway.engines.compile_choice"):
+        VerdictStore(tmp_path / "compile").save("k", Verdict(speedup=1.0, keep=False))
+    assert "could not store the verdict" in caplog.text
+    assert VerdictStore(tmp_path / "compile").load("k") is None
+
+
+def test_rounds_alternate_and_time_only_the_timed_steps() -> None:
+    calls: list[str] = []
+    ticks = itertools.count()
+
+    def clock() -> float:
+        calls.append("clock")
+        return float(next(ticks))
+
+    eager, compiled = time_rounds(
+        lambda: calls.append("eager"), lambda: calls.append("compiled"), clock, rounds=2, steps=3
+    )
+    assert len(eager) == len(compiled) == 6
+    assert all(t == 1.0 for t in eager + compiled)  # one tick from each start to its end
+    steps = [c for c in calls if c != "clock"]
+    one_round = ["eager"] * (UNTIMED_STEPS + 3) + ["compiled"] * (UNTIMED_STEPS + 3)
+    assert steps == one_round * 2
+    assert calls.count("clock") == 2 * 6 * 2
+
+
+def test_scratch_prompts_are_distinct_rows_of_the_vocabulary() -> None:
+    prompts = list(scratch_prompts(32, 1920))
+    assert len(prompts) == 32
+    assert len({tuple(p) for p in prompts}) == 32
+    assert all(len(p) == SCRATCH_PROMPT and all(0 <= t < 1920 for t in p) for p in prompts)
