@@ -8,16 +8,19 @@ matrix products are (the 42M-parameter benchmark model on this repository's
 compile (23-81 s cold, 1-7 s from Inductor's cache). So ``auto`` decides by
 timing, once per model and machine:
 
-1. At start-up, before the engine reports ready, one scratch row decodes
-   eagerly and through the compiled batch-1 graph, in alternating rounds.
-2. The compiled step is kept when its median step is at least
-   :data:`MIN_SPEEDUP` times faster; then every other bucket compiles at
-   start-up too, so no request waits for a compile. Otherwise the engine
-   decodes eagerly.
-3. The verdict is stored under the cache directory, keyed by the model's
-   files, the dtype, the thread count, torch's version and the CPU, so that
-   later starts skip the timing (and, for a loss, the compile). Delete
-   ``$XDG_CACHE_HOME/sluiceway/compile/`` to measure again.
+1. At start-up, before the engine reports ready, each batch bucket in turn
+   (1, 2, 4, ...) fills its rows with scratch prompts and decodes them
+   eagerly and through the compiled graph, in alternating rounds.
+2. A bucket is kept when its compiled median step is at least
+   :data:`MIN_SPEEDUP` times faster. The timing stops at the first bucket
+   that is not (the gain shrinks as the batch, and so the matrix products,
+   grow), so a model the compiled step does not suit costs one compile.
+   Batches larger than the last kept bucket decode eagerly; the kept buckets
+   are compiled before the first request.
+3. The verdicts are stored under the cache directory, keyed by the model's
+   files, the dtype, the thread count, the buckets, torch's version and the
+   CPU, so that later starts skip the timing (and the compile of buckets
+   that lost). Delete ``$XDG_CACHE_HOME/sluiceway/compile/`` to measure again.
 
 Why at start-up rather than in the background while eager steps serve: a
 compile on another thread of the engine's process is not safe. Tracing
@@ -58,36 +61,56 @@ SCRATCH_PROMPT = 16
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """The outcome of timing the eager against the compiled decode step."""
+    """The outcome of timing one bucket's eager against its compiled decode step."""
 
-    #: Median eager step time ÷ median compiled step time, at batch 1.
+    #: The batch bucket (rows) timed.
+    bucket: int
+    #: Median eager step time ÷ median compiled step time.
     speedup: float
-    #: Whether the compiled step is used.
+    #: Whether the compiled step is used for this bucket.
     keep: bool
 
 
 def decide(
-    eager: Sequence[float], compiled: Sequence[float], *, threshold: float = MIN_SPEEDUP
+    bucket: int,
+    eager: Sequence[float],
+    compiled: Sequence[float],
+    *,
+    threshold: float = MIN_SPEEDUP,
 ) -> Verdict:
-    """The verdict of the step times (seconds) of each kind."""
+    """The verdict of one bucket's step times (seconds) of each kind."""
     if not eager or not compiled:
         raise ValueError("both kinds of step need at least one timing")
     fastest = statistics.median(compiled)
     speedup = statistics.median(eager) / fastest if fastest > 0 else float("inf")
-    return Verdict(speedup=round(speedup, 3), keep=speedup >= threshold)
+    return Verdict(bucket=bucket, speedup=round(speedup, 3), keep=speedup >= threshold)
 
 
-def verdict_key(model_dir: Path, *, dtype: str, threads: int, torch_version: str) -> str:
-    """A digest of what the verdict depends on: the model's files (name, size,
-    modification time), the dtype, the thread count, torch and the CPU."""
+def kept_buckets(verdicts: Sequence[Verdict]) -> tuple[int, ...]:
+    """The buckets the compiled step keeps: those before the first loss."""
+    kept: list[int] = []
+    for verdict in verdicts:
+        if not verdict.keep:
+            break
+        kept.append(verdict.bucket)
+    return tuple(kept)
+
+
+def verdict_key(
+    model_dir: Path, *, dtype: str, threads: int, torch_version: str, buckets: Sequence[int]
+) -> str:
+    """A digest of what the verdicts depend on: the model's files (name, size,
+    modification time), the dtype, the thread count, the buckets, torch and
+    the CPU."""
     files = sorted(
         (path.name, stat.st_size, stat.st_mtime_ns)
         for path in model_dir.iterdir()
         if path.is_file()
         for stat in [path.stat()]
     )
-    described = json.dumps([str(model_dir.resolve()), files, dtype, threads, torch_version, _cpu()])
-    return hashlib.sha256(described.encode()).hexdigest()[:32]
+    described = [str(model_dir.resolve()), files, dtype, threads, list(buckets), torch_version]
+    digest = hashlib.sha256(json.dumps([*described, _cpu()]).encode())
+    return digest.hexdigest()[:32]
 
 
 def _cpu() -> str:
@@ -101,26 +124,30 @@ def _cpu() -> str:
 
 
 class VerdictStore:
-    """Verdicts as small JSON files in one directory; an unreadable one is absent."""
+    """Each key's verdicts, one small JSON file; an unreadable one is absent."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
 
-    def load(self, key: str) -> Verdict | None:
+    def load(self, key: str) -> list[Verdict] | None:
         try:
             raw = json.loads((self.directory / f"{key}.json").read_text())
-            return Verdict(speedup=float(raw["speedup"]), keep=bool(raw["keep"]))
+            verdicts = [
+                Verdict(bucket=int(v["bucket"]), speedup=float(v["speedup"]), keep=bool(v["keep"]))
+                for v in raw
+            ]
         except (OSError, ValueError, KeyError, TypeError):
             return None
+        return verdicts or None
 
-    def save(self, key: str, verdict: Verdict) -> None:
-        """Write ``verdict``; a directory that cannot be written only costs a
-        measurement at the next start."""
+    def save(self, key: str, verdicts: Sequence[Verdict]) -> None:
+        """Write ``verdicts``; a directory that cannot be written only costs
+        a measurement at the next start."""
         target = self.directory / f"{key}.json"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             partial = target.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps(asdict(verdict)))
+            partial.write_text(json.dumps([asdict(verdict) for verdict in verdicts]))
             partial.replace(target)
         except OSError as error:
             logger.warning("--compile auto: could not store the verdict in %s: %s", target, error)

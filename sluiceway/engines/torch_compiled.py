@@ -168,6 +168,13 @@ class CompiledStep:
             step_function(model, cache_keyword), backend=backend, fullgraph=True, dynamic=False
         )
 
+    def limit(self, buckets: Sequence[int]) -> None:
+        """Compile and run only ``buckets`` (a prefix of :attr:`buckets`);
+        larger batches decode eagerly."""
+        if tuple(buckets) != self.buckets[: len(buckets)]:
+            raise ValueError(f"{tuple(buckets)} is not a prefix of the buckets {self.buckets}")
+        self.buckets = tuple(buckets)
+
     @property
     def active(self) -> bool:
         return self.failure is None

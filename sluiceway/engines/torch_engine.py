@@ -51,12 +51,13 @@ same buffers (:meth:`KVRows.padded_inputs`,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,7 @@ from sluiceway.engines.compile_choice import (
     Verdict,
     VerdictStore,
     decide,
+    kept_buckets,
     scratch_prompts,
     time_rounds,
     verdict_key,
@@ -732,67 +734,76 @@ class TransformersEngine:
     def _choose_compiled(
         self, step: CompiledStep, source: ModelSource, store: VerdictStore
     ) -> CompiledStep | None:
-        """``--compile auto``: ``step`` with every bucket compiled, if it
-        decodes faster than the eager step (:mod:`~sluiceway.engines.compile_choice`)."""
+        """``--compile auto``: ``step`` limited to the buckets where it decodes
+        faster than the eager step, each compiled now, so that no request
+        waits for it; None where it is faster in none
+        (:mod:`~sluiceway.engines.compile_choice`)."""
         key = verdict_key(
             source.path,
             dtype=self._info.dtype,
             threads=self._threads,
             torch_version=torch.__version__,
+            buckets=step.buckets,
         )
-        verdict, how = store.load(key), "stored"
-        if verdict is None:
-            verdict, how = self._time_compiled(step), "measured"
+        verdicts, how = store.load(key), "stored"
+        if verdicts is None:
+            verdicts, how = self._time_buckets(step), "measured"
             if not step.active:  # not stored: a missing compiler may be installed later
                 return None
-            store.save(key, verdict)
-        if not verdict.keep:
-            logger.info(
-                "--compile auto: decoding eagerly (compiled step %.2fx, %s)", verdict.speedup, how
-            )
+            store.save(key, verdicts)
+        measured = ", ".join(f"{v.bucket}: {v.speedup:.2f}x" for v in verdicts)
+        kept = kept_buckets(verdicts)
+        if not kept:
+            logger.info("--compile auto: decoding eagerly (compiled ÷ eager %s, %s)", measured, how)
             return None
-        for bucket in step.buckets:  # compiled now, so that no request waits for it
-            self._scratch_decode(bucket, step)
+        step.limit(kept)
+        for bucket in kept:
+            with self._scratch_rows(bucket) as tokens:
+                self._through(step, tokens)()
         logger.info(
-            "--compile auto: compiled decode step (%.2fx at batch 1, %s), buckets %s",
-            verdict.speedup,
+            "--compile auto: compiled decode step for batches up to %d (compiled ÷ eager %s, %s)",
+            kept[-1],
+            measured,
             how,
-            ", ".join(map(str, step.buckets)),
         )
         return step if step.active else None
 
-    def _time_compiled(self, step: CompiledStep) -> Verdict:
-        """Time one scratch row's eager and compiled decode steps."""
-        prompt = next(iter(scratch_prompts(1, self._info.vocab_size)))
-        self.prefill(0, prompt)
+    def _time_buckets(self, step: CompiledStep) -> list[Verdict]:
+        """Each bucket's verdict, smallest first, up to the first loss (the
+        compiled step's gain shrinks as the matrix products grow)."""
+        verdicts: list[Verdict] = []
+        for bucket in step.buckets:
+            with self._scratch_rows(bucket) as tokens:
+                eager, compiled = time_rounds(
+                    self._through(None, tokens), self._through(step, tokens), time.perf_counter
+                )
+            verdicts.append(decide(bucket, eager, compiled))
+            if not verdicts[-1].keep or not step.active:
+                break
+        return verdicts
 
-        def through(compiled: CompiledStep | None) -> Callable[[], None]:
-            def one() -> None:
-                self._compiled = compiled
-                self.decode({0: prompt[0]})
-
-            return one
-
-        try:
-            eager, compiled = time_rounds(through(None), through(step), time.perf_counter)
-        finally:
-            self._compiled = None
-            self.free(0)
-        return decide(eager, compiled)
-
-    def _scratch_decode(self, rows: int, step: CompiledStep) -> None:
-        """One decode step of ``rows`` scratch rows through ``step`` (which
-        compiles its bucket), then nothing left of them."""
+    @contextlib.contextmanager
+    def _scratch_rows(self, rows: int) -> Iterator[dict[int, int]]:
+        """``rows`` prefilled scratch slots and a token for each; afterwards
+        nothing is left of them and no compiled step is set."""
         prompts = list(scratch_prompts(rows, self._info.vocab_size))
         for slot, prompt in enumerate(prompts):
             self.prefill(slot, prompt)
-        self._compiled = step
         try:
-            self.decode({slot: prompt[0] for slot, prompt in enumerate(prompts)})
+            yield {slot: prompt[0] for slot, prompt in enumerate(prompts)}
         finally:
             self._compiled = None
             for slot in range(rows):
                 self.free(slot)
+
+    def _through(self, step: CompiledStep | None, tokens: dict[int, int]) -> Callable[[], None]:
+        """A decode step of ``tokens`` through ``step`` (None: eagerly)."""
+
+        def one() -> None:
+            self._compiled = step
+            self.decode(tokens)
+
+        return one
 
     @property
     def compiled_step(self) -> CompiledStep | None:

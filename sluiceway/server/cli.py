@@ -58,9 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         "logprobs exact)",
         "compile": "transformers on the CPU: the decode step through torch.compile, one graph "
         "per batch size bucket (1, 2, 4, ... up to --compile-max-batch); auto (default): at "
-        "start-up, time it against the eager step and keep it, every bucket compiled before "
-        "serving, where it is at least 1.1x faster (the verdict is stored per model and "
-        "machine; docs/engines.md); on: always, each bucket on the first step of its size "
+        "start-up, time each bucket's compiled step against the eager one and keep the "
+        "buckets up to the first that is not at least 1.1x faster, compiled before serving "
+        "(the verdicts are stored per model and machine; docs/engines.md); on: always, each bucket on the first step of its size "
         "(seconds to a minute); off: eager. Eager wherever compiling fails",
         "compile_max_batch": "with --compile auto or on, the largest batch bucket compiled; larger "
         "batches decode eagerly",

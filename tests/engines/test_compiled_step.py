@@ -64,6 +64,16 @@ def test_buckets_pad_up_to_the_next_size() -> None:
     assert bucket_for(3, (1, 2)) is None
 
 
+def test_a_step_limited_to_fewer_buckets_decodes_larger_batches_eagerly() -> None:
+    step = CompiledStep(object(), "past_key_values", buckets=(1, 2, 4))
+    step.limit((1, 2))
+    assert [step.bucket(rows) for rows in (1, 2, 3)] == [1, 2, None]
+    with pytest.raises(ValueError, match="not a prefix"):
+        step.limit((2,))
+    step.limit(())
+    assert step.bucket(1) is None
+
+
 def test_compiled_rows_equal_eager_rows_in_every_bucket(
     compiled: TransformersEngine, eager: TransformersEngine
 ) -> None:
@@ -222,14 +232,16 @@ def _auto_engine(source: ModelSource, store: VerdictStore) -> TransformersEngine
     )
 
 
-def _timed(eager: float, compiled: float) -> Any:
-    """``time_rounds`` running each kind of step once (so the scratch row
-    really decodes both ways), then reporting the given step times."""
+def _timed(*speedups: float) -> Any:
+    """``time_rounds`` running each kind of step once (so the scratch rows
+    really decode both ways), then reporting step times whose ratio is the
+    next of ``speedups`` (one per bucket timed, in order)."""
+    left = list(speedups)
 
     def timed(*args: Any, **kwargs: Any) -> tuple[list[float], list[float]]:
         real_eager, real_compiled = time_rounds(*args, rounds=1, steps=1)
         assert len(real_eager) == len(real_compiled) == 1
-        return [eager] * 3, [compiled] * 3
+        return [1e-3 * left.pop(0)] * 3, [1e-3] * 3
 
     return timed
 
@@ -252,7 +264,7 @@ def test_auto_keeps_a_faster_step_and_compiles_its_buckets_before_serving(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(torch_engine, "time_rounds", _timed(eager=2e-3, compiled=1e-3))
+    monkeypatch.setattr(torch_engine, "time_rounds", _timed(2.0, 1.5))
     store = VerdictStore(tmp_path)
     engine = _auto_engine(tiny_model, store)
     step = engine.compiled_step
@@ -260,7 +272,7 @@ def test_auto_keeps_a_faster_step_and_compiles_its_buckets_before_serving(
     assert step.buckets == (1, 2)
     assert all(count >= 1 for count in step.steps.values()), step.steps  # compiled at start
     (stored,) = tmp_path.iterdir()
-    assert VerdictStore(tmp_path).load(stored.stem) == Verdict(speedup=2.0, keep=True)
+    assert store.load(stored.stem) == [Verdict(1, 2.0, True), Verdict(2, 1.5, True)]
     # The scratch rows are gone: every slot is free, and rows decode as the eager engine's.
     prompts = {0: prompt(40, 9), 1: prompt(41, 5)}
     got = run_schedule(engine, prompts, {0: [0, 1]}, {}, 3)
@@ -268,11 +280,38 @@ def test_auto_keeps_a_faster_step_and_compiles_its_buckets_before_serving(
     for (slot, trace), (_, want) in zip(got, expected, strict=True):
         assert_same_trace(trace, want, f"slot {slot}")
     engine.close()
-    # A later start takes the stored verdict without timing again.
+    # A later start takes the stored verdicts without timing again.
     monkeypatch.setattr(torch_engine, "time_rounds", _untimed)
     again = _auto_engine(tiny_model, store)
     assert again.compiled_step is not None
+    assert again.compiled_step.buckets == (1, 2)
+    assert all(count == 1 for count in again.compiled_step.steps.values())
     again.close()
+
+
+@pytest.mark.usefixtures("cheap_compile")
+def test_auto_stops_at_the_first_bucket_that_is_not_faster(
+    tiny_model: ModelSource,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(torch_engine, "time_rounds", _timed(1.5, 1.0))
+    store = VerdictStore(tmp_path)
+    with caplog.at_level(logging.INFO, logger="sluiceway.engines.torch_engine"):
+        engine = _auto_engine(tiny_model, store)
+    step = engine.compiled_step
+    assert step is not None
+    assert step.buckets == (1,)
+    assert "batches up to 1 (compiled ÷ eager 1: 1.50x, 2: 1.00x, measured)" in caplog.text
+    assert step.bucket(1) == 1
+    assert step.bucket(2) is None
+    engine.prefill(0, prompt(44, 5))
+    engine.prefill(1, prompt(45, 6))
+    before = dict(step.steps)
+    assert engine.decode({0: 5, 1: 6}).slots == (0, 1)
+    assert step.steps == before  # two rows: eager
+    engine.close()
 
 
 @pytest.mark.usefixtures("cheap_compile")
@@ -282,20 +321,20 @@ def test_auto_decodes_eagerly_where_the_compiled_step_is_not_faster(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setattr(torch_engine, "time_rounds", _timed(eager=1.05e-3, compiled=1e-3))
+    monkeypatch.setattr(torch_engine, "time_rounds", _timed(1.05))
     store = VerdictStore(tmp_path)
     with caplog.at_level(logging.INFO, logger="sluiceway.engines.torch_engine"):
         engine = _auto_engine(tiny_model, store)
     assert engine.compiled_step is None
-    assert "decoding eagerly (compiled step 1.05x, measured)" in caplog.text
+    assert "decoding eagerly (compiled ÷ eager 1: 1.05x, measured)" in caplog.text
     engine.prefill(0, prompt(42, 6))
     assert engine.decode({0: 5}).slots == (0,)
     engine.close()
     (stored,) = tmp_path.iterdir()
-    assert store.load(stored.stem) == Verdict(speedup=1.05, keep=False)
+    assert store.load(stored.stem) == [Verdict(1, 1.05, False)]  # bucket 2 never timed
     # Later starts neither time nor compile.
     monkeypatch.setattr(torch_engine, "time_rounds", _untimed)
-    monkeypatch.setattr(torch_engine, "CompiledStep", functools.partial(_CountingStep))
+    monkeypatch.setattr(torch_engine, "CompiledStep", _CountingStep)
     again = _auto_engine(tiny_model, store)
     assert again.compiled_step is None
     assert _CountingStep.calls == 0

@@ -19,6 +19,7 @@ from sluiceway.engines.compile_choice import (
     Verdict,
     VerdictStore,
     decide,
+    kept_buckets,
     scratch_prompts,
     time_rounds,
     verdict_key,
@@ -26,24 +27,34 @@ from sluiceway.engines.compile_choice import (
 
 
 def test_the_compiled_step_is_kept_from_the_threshold_up() -> None:
-    assert decide([1.1], [1.0]) == Verdict(speedup=1.1, keep=True)
-    assert decide([1.0999], [1.0]).keep is False
-    assert decide([2.0, 2.0, 2.0], [1.0, 1.0, 1.0]) == Verdict(speedup=2.0, keep=True)
-    assert decide([1.0], [1.0], threshold=1.0).keep is True
+    assert decide(1, [1.1], [1.0]) == Verdict(bucket=1, speedup=1.1, keep=True)
+    assert decide(1, [1.0999], [1.0]).keep is False
+    assert decide(4, [2.0, 2.0, 2.0], [1.0, 1.0, 1.0]) == Verdict(bucket=4, speedup=2.0, keep=True)
+    assert decide(1, [1.0], [1.0], threshold=1.0).keep is True
     assert MIN_SPEEDUP > 1.0
+
+
+def test_the_kept_buckets_end_at_the_first_loss() -> None:
+    def verdict(bucket: int, keep: bool) -> Verdict:
+        return Verdict(bucket=bucket, speedup=1.5 if keep else 1.0, keep=keep)
+
+    assert kept_buckets([]) == ()
+    assert kept_buckets([verdict(1, False)]) == ()
+    assert kept_buckets([verdict(1, True), verdict(2, True)]) == (1, 2)
+    assert kept_buckets([verdict(1, True), verdict(2, False), verdict(4, True)]) == (1,)
 
 
 def test_one_slow_step_does_not_flip_the_verdict() -> None:
     """Medians: a step the host preempted does not decide."""
-    assert decide([1.0, 1.0, 1.0, 1.0, 50.0], [1.0, 1.0, 1.0, 1.0, 1.0]).keep is False
-    assert decide([2.0, 2.0, 2.0], [1.0, 1.0, 30.0]).keep is True
+    assert decide(1, [1.0, 1.0, 1.0, 1.0, 50.0], [1.0, 1.0, 1.0, 1.0, 1.0]).keep is False
+    assert decide(1, [2.0, 2.0, 2.0], [1.0, 1.0, 30.0]).keep is True
 
 
 def test_a_verdict_needs_both_kinds_of_step() -> None:
     with pytest.raises(ValueError, match="at least one timing"):
-        decide([], [1.0])
+        decide(1, [], [1.0])
     with pytest.raises(ValueError, match="at least one timing"):
-        decide([1.0], [])
+        decide(1, [1.0], [])
 
 
 @given(
@@ -53,7 +64,7 @@ def test_a_verdict_needs_both_kinds_of_step() -> None:
 def test_keeping_is_a_speedup_at_the_threshold_or_above(
     eager: list[float], compiled: list[float]
 ) -> None:
-    verdict = decide(eager, compiled)
+    verdict = decide(2, eager, compiled)
     speedup = statistics.median(eager) / statistics.median(compiled)
     assert verdict.keep == (speedup >= MIN_SPEEDUP)
     assert verdict.speedup == round(speedup, 3)
@@ -69,11 +80,17 @@ def _model(tmp_path: Path) -> Path:
 
 def test_the_key_follows_the_model_files_and_the_settings(tmp_path: Path) -> None:
     model = _model(tmp_path)
-    base = {"dtype": "float32", "threads": 2, "torch_version": "2.13.0"}
+    base = {"dtype": "float32", "threads": 2, "torch_version": "2.13.0", "buckets": (1, 2)}
     key = verdict_key(model, **base)  # type: ignore[arg-type]
     assert key == verdict_key(model, **base)  # type: ignore[arg-type]
     assert len(key) == 32
-    for change in ({"dtype": "bfloat16"}, {"threads": 1}, {"torch_version": "2.14.0"}):
+    changes = (
+        {"dtype": "bfloat16"},
+        {"threads": 1},
+        {"torch_version": "2.14.0"},
+        {"buckets": (1,)},
+    )
+    for change in changes:
         assert verdict_key(model, **(base | change)) != key  # type: ignore[arg-type]
     (model / "model.safetensors").write_bytes(b"y" * 11)
     assert verdict_key(model, **base) != key  # type: ignore[arg-type]
@@ -82,17 +99,24 @@ def test_the_key_follows_the_model_files_and_the_settings(tmp_path: Path) -> Non
     assert verdict_key(other, **base) != key  # type: ignore[arg-type]
 
 
-def test_the_store_keeps_a_verdict_and_reads_nothing_from_a_bad_file(tmp_path: Path) -> None:
+def test_the_store_keeps_verdicts_and_reads_nothing_from_a_bad_file(tmp_path: Path) -> None:
     store = VerdictStore(tmp_path / "compile")
     assert store.load("k") is None
-    store.save("k", Verdict(speedup=1.61, keep=True))
-    assert store.load("k") == Verdict(speedup=1.61, keep=True)
-    assert json.loads((tmp_path / "compile" / "k.json").read_text()) == {
-        "speedup": 1.61,
-        "keep": True,
-    }
+    verdicts = [Verdict(bucket=1, speedup=1.61, keep=True), Verdict(4, 1.02, False)]
+    store.save("k", verdicts)
+    assert store.load("k") == verdicts
+    assert json.loads((tmp_path / "compile" / "k.json").read_text()) == [
+        {"bucket": 1, "speedup": 1.61, "keep": True},
+        {"bucket": 4, "speedup": 1.02, "keep": False},
+    ]
     assert [p.name for p in (tmp_path / "compile").iterdir()] == ["k.json"]
-    for broken in ("{", "[]", '{"speedup": 1.0}', '{"speedup": "x", "keep": true}'):
+    for broken in (
+        "[",
+        "{}",
+        "[]",
+        '[{"speedup": 1.0}]',
+        '[{"bucket": 1, "speedup": "x", "keep": 1}]',
+    ):
         (tmp_path / "compile" / "k.json").write_text(broken)
         assert store.load("k") is None, broken
 
@@ -100,7 +124,7 @@ def test_the_store_keeps_a_verdict_and_reads_nothing_from_a_bad_file(tmp_path: P
 def test_a_store_over_a_file_only_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "compile").write_text("a file where the directory should be")
     with caplog.at_level(logging.WARNING, logger="sluiceway.engines.compile_choice"):
-        VerdictStore(tmp_path / "compile").save("k", Verdict(speedup=1.0, keep=False))
+        VerdictStore(tmp_path / "compile").save("k", [Verdict(1, 1.0, keep=False)])
     assert "could not store the verdict" in caplog.text
     assert VerdictStore(tmp_path / "compile").load("k") is None
 
