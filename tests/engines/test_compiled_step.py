@@ -1,4 +1,5 @@
-"""The compiled decode step (``--compile on``) against the eager one.
+"""The compiled decode step (``--compile on``) against the eager one, and
+``--compile auto``'s choice of it (at the end).
 
 Compiling is slow (seconds per batch bucket), so one compiled engine serves
 the session (conftest's ``compiled_transformers``) and it compiles only the
