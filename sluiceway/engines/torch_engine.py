@@ -44,8 +44,8 @@ of a decode step is one in-place write per layer.
 
 With ``--compile on`` (or ``auto``, where it measured faster: see
 :mod:`sluiceway.engines.compile_choice`) a decode step of up to
-``--compile-max-batch`` rows runs a graph that ``torch.compile`` made of the model's forward, over the
-same buffers (:meth:`KVRows.padded_inputs`,
+``--compile-max-batch`` rows runs a graph that ``torch.compile`` made of the
+model's forward, over the same buffers (:meth:`KVRows.padded_inputs`,
 :mod:`sluiceway.engines.torch_compiled`); everything else stays eager.
 """
 
