@@ -757,9 +757,10 @@ class TransformersEngine:
             logger.info("--compile auto: decoding eagerly (compiled ÷ eager %s, %s)", measured, how)
             return None
         step.limit(kept)
-        for bucket in kept:
-            with self._scratch_rows(bucket) as tokens:
-                self._through(step, tokens)()
+        if how == "stored":  # measured buckets compiled while they were timed
+            for bucket in kept:
+                with self._scratch_rows(bucket) as tokens:
+                    self._through(step, tokens)()
         logger.info(
             "--compile auto: compiled decode step for batches up to %d (compiled ÷ eager %s, %s)",
             kept[-1],
