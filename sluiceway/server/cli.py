@@ -60,10 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
         "per batch size bucket (1, 2, 4, ... up to --compile-max-batch); auto (default): at "
         "start-up, time each bucket's compiled step against the eager one and keep the "
         "buckets up to the first that is not at least 1.1x faster, compiled before serving "
-        "(the verdicts are stored per model and machine; docs/engines.md); on: always, each bucket on the first step of its size "
-        "(seconds to a minute); off: eager. Eager wherever compiling fails",
-        "compile_max_batch": "with --compile auto or on, the largest batch bucket compiled; larger "
-        "batches decode eagerly",
+        "(the verdicts are stored per model and machine; docs/engines.md); on: always, "
+        "each bucket on the first step of its size (seconds to a minute); off: eager. "
+        "Eager wherever compiling fails",
+        "compile_max_batch": "with --compile auto or on, the largest batch bucket compiled; "
+        "larger batches decode eagerly",
         "engine_process": "run the engine in a child process with an interpreter (and GIL) "
         "of its own, instead of on a thread of the server's process (default: a child "
         "process on the CPU, the thread on a GPU)",

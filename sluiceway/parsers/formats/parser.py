@@ -22,9 +22,10 @@ the reply, after whitespace). From there it walks the graph
   while they stream: ``{"KEY": `` when the key's value starts (a call whose
   markup breaks between a key and its value drops the key, so the built
   object stays whole JSON), a string value escaped piece by piece, any
-  other value held until it ends and then typed by the tool's schema (:mod:`~sluiceway.parsers.formats.arguments`), and the
-  closing brace at the literal that ends the arguments. Built punctuation is
-  owned by the token whose text called for it.
+  other value held until it ends and then typed by the tool's schema
+  (:mod:`~sluiceway.parsers.formats.arguments`), and the closing brace at
+  the literal that ends the arguments. Built punctuation is owned by the
+  token whose text called for it.
 - Where the markup may end (the graph's end), whitespace is markup and any
   other text ends the markup cleanly: it is read again as text.
 
