@@ -94,6 +94,8 @@ class EngineSpec:
     #: ``--compile`` and ``--compile-max-batch`` (transformers).
     compile: str = "off"
     compile_max_batch: int = 32
+    #: ``--prepack`` (transformers).
+    prepack: bool = True
     log_level: str = "info"
     log_format: str = logging.BASIC_FORMAT
     #: Set in the child's environment where the parent's does not set them.
@@ -280,6 +282,7 @@ def _child_main(conn: Connection, spec: EngineSpec) -> None:
             threads=spec.threads,
             compile=spec.compile,
             compile_max_batch=spec.compile_max_batch,
+            prepack=spec.prepack,
         )
     except Exception as error:
         logger.exception("the engine could not start")

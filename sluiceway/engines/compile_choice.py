@@ -97,11 +97,17 @@ def kept_buckets(verdicts: Sequence[Verdict]) -> tuple[int, ...]:
 
 
 def verdict_key(
-    model_dir: Path, *, dtype: str, threads: int, torch_version: str, buckets: Sequence[int]
+    model_dir: Path,
+    *,
+    dtype: str,
+    threads: int,
+    torch_version: str,
+    buckets: Sequence[int],
+    prepacked: bool = False,
 ) -> str:
     """A digest of what the verdicts depend on: the model's files (name, size,
-    modification time), the dtype, the thread count, the buckets, torch and
-    the CPU."""
+    modification time), the dtype, the thread count, the buckets, torch, the
+    CPU, and whether the weights are prepacked (both steps' speed moves)."""
     files = sorted(
         (path.name, stat.st_size, stat.st_mtime_ns)
         for path in model_dir.iterdir()
@@ -109,6 +115,8 @@ def verdict_key(
         for stat in [path.stat()]
     )
     described = [str(model_dir.resolve()), files, dtype, threads, list(buckets), torch_version]
+    if prepacked:  # a key of weights as loaded stays what it was before prepacking
+        described.append("prepacked")
     digest = hashlib.sha256(json.dumps([*described, _cpu()]).encode())
     return digest.hexdigest()[:32]
 

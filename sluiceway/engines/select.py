@@ -88,14 +88,15 @@ def make_engine(
     threads: int = 0,
     compile: str = "off",
     compile_max_batch: int = 32,
+    prepack: bool = True,
 ) -> Engine:
     """Build the engine ``choice`` names for ``source`` (``auto`` is resolved
     by :func:`choose_engine`; a resolved name is not logged again).
 
     ``device``, ``dtype`` and ``threads`` (0: the default) apply to
     transformers; mlx picks its own device (Metal if present) and runs the
-    checkpoint's dtype, ``compile`` and ``compile_max_batch`` are
-    transformers' (``--compile``), and ``threads`` is its OpenBLAS's count where its CPU
+    checkpoint's dtype, ``compile``, ``compile_max_batch`` and ``prepack`` are
+    transformers' (``--compile``, ``--prepack``), and ``threads`` is its OpenBLAS's count where its CPU
     backend runs on OpenBLAS (:mod:`sluiceway.engines.blas`).
     """
     name = choice if choice in ("mlx", "transformers") else choose_engine(choice)
@@ -109,6 +110,7 @@ def make_engine(
             threads=threads,
             compile=compile,
             compile_max_batch=compile_max_batch,
+            prepack=prepack,
         )
     if device != "auto" or dtype != "auto":
         logger.warning("the mlx engine ignores --device %s and --dtype %s", device, dtype)

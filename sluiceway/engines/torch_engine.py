@@ -87,10 +87,11 @@ from sluiceway.engines.compile_choice import (
 from sluiceway.engines.default_model import default_cache_dir
 from sluiceway.engines.device import resolve_device
 from sluiceway.engines.loader import ModelSource
-from sluiceway.engines.memory import host_available_bytes
+from sluiceway.engines.memory import give_back_heap, host_available_bytes
 from sluiceway.engines.torch_compiled import BUCKETS, CompiledStep
 from sluiceway.engines.torch_compiled import MODES as COMPILE_MODES
 from sluiceway.engines.torch_packed import KEYWORD, Packed, StoreCache, attend
+from sluiceway.engines.torch_prepack import prepack_linears, unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -472,6 +473,7 @@ class TransformersEngine:
         compile: str = "off",
         compile_max_batch: int = 32,
         compile_verdicts: VerdictStore | None = None,
+        prepack: bool = True,
     ) -> None:
         self._device = resolve_device(device)
         self._dtype = resolve_dtype(dtype, source.config, self._device)
@@ -482,6 +484,7 @@ class TransformersEngine:
             self._device.type == "cpu" and not requested_threads(threads) and self._threads >= 2
         )
         self._model = _load_model(source, self._device, self._dtype)
+        self._prepacked = self._prepack(prepack)
         self._cache_keyword = cache_keyword(self._model)
         self._layouts = _probe_layouts(self._model, self._device)
         self._ready_masks = _full_attention_only(self._model.config)
@@ -506,12 +509,27 @@ class TransformersEngine:
             store = compile_verdicts or VerdictStore(default_cache_dir() / "compile")
             self._compiled = self._choose_compiled(self._compiled, source, store)
         logger.info(
-            "transformers engine: %s on %s, %s, %d threads",
+            "transformers engine: %s on %s, %s, %d threads, %s",
             source.name,
             self._device,
             self._info.dtype,
             self._threads,
+            f"{self._prepacked} linear layers prepacked" if self._prepacked else "as loaded",
         )
+
+    def _prepack(self, asked: bool) -> int:
+        """Reorder the linear layers' weights for oneDNN where that applies
+        (:mod:`sluiceway.engines.torch_prepack`); how many were."""
+        if not asked:
+            return 0
+        why_not = unsupported(self._device, self._dtype)
+        if why_not is not None:
+            logger.debug("weights not prepacked: %s", why_not)
+            return 0
+        packed = prepack_linears(self._model)
+        # The matrices as loaded are free now; glibc would keep their pages.
+        give_back_heap()
+        return packed
 
     @property
     def info(self) -> EngineInfo:
@@ -744,6 +762,7 @@ class TransformersEngine:
             threads=self._threads,
             torch_version=torch.__version__,
             buckets=step.buckets,
+            prepacked=self._prepacked > 0,
         )
         verdicts, how = store.load(key), "stored"
         if verdicts is None:

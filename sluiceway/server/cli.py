@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Eager wherever compiling fails",
         "compile_max_batch": "with --compile auto or on, the largest batch bucket compiled; "
         "larger batches decode eagerly",
+        "prepack": "transformers on the CPU with bfloat16 weights: reorder each linear layer's "
+        "weights once, at load, into oneDNN's blocked layout, instead of on every matrix "
+        "product (default; faster steps, the same outputs; docs/engines.md)",
         "engine_process": "run the engine in a child process with an interpreter (and GIL) "
         "of its own, instead of on a thread of the server's process (default: a child "
         "process on the CPU, the thread on a GPU)",

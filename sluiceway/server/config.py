@@ -56,6 +56,9 @@ class ServerConfig:
     compile: Literal["off", "on", "auto"] = "auto"
     #: The largest batch the compiled step pads to; larger ones decode eagerly.
     compile_max_batch: int = 32
+    #: The transformers engine's bfloat16 linear layers, reordered once for
+    #: oneDNN at load (CPU); False keeps them as loaded.
+    prepack: bool = True
     #: None: a child process on the CPU, the engine thread on a GPU (and in
     #: a daemonic worker process, which may not start one).
     engine_process: bool | None = None

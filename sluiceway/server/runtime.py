@@ -152,6 +152,7 @@ def _start_engine(config: ServerConfig, source: ModelSource) -> Engine | VllmEng
             threads=config.engine_threads,
             compile=config.compile,
             compile_max_batch=config.compile_max_batch,
+            prepack=config.prepack,
         )
     logger.info("the engine runs in a child process")
     spec = EngineSpec(
@@ -162,6 +163,7 @@ def _start_engine(config: ServerConfig, source: ModelSource) -> Engine | VllmEng
         threads=config.engine_threads,
         compile=config.compile,
         compile_max_batch=config.compile_max_batch,
+        prepack=config.prepack,
         log_level=config.log_level,
         log_format=LOG_FORMAT,
         environment=process_environment(name, config.compile),

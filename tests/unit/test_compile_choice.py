@@ -89,6 +89,7 @@ def test_the_key_follows_the_model_files_and_the_settings(tmp_path: Path) -> Non
         {"threads": 1},
         {"torch_version": "2.14.0"},
         {"buckets": (1,)},
+        {"prepacked": True},
     )
     for change in changes:
         assert verdict_key(model, **(base | change)) != key  # type: ignore[arg-type]
