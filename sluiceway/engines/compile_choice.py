@@ -50,10 +50,12 @@ logger = logging.getLogger(__name__)
 #: The compiled step must beat the eager one by this factor to be kept: below
 #: it, a host's noise could flip the verdict, and the compile is not worth it.
 MIN_SPEEDUP = 1.1
-#: Alternating rounds of eager and compiled steps, and timed steps per round.
+#: Rounds, and timed steps of each kind per round (taken in turns: an eager
+#: step, a compiled one, and so on).
 ROUNDS = 3
 STEPS_PER_ROUND = 12
-#: Steps run before each round's timing (the first compiled one compiles).
+#: Steps of each kind run before each round's timing (the first compiled one
+#: compiles).
 UNTIMED_STEPS = 2
 #: The scratch rows' prompt length.
 SCRATCH_PROMPT = 16
@@ -169,14 +171,19 @@ def time_rounds(
     rounds: int = ROUNDS,
     steps: int = STEPS_PER_ROUND,
 ) -> tuple[list[float], list[float]]:
-    """Each kind's step times, from alternating rounds (so that a change in
-    the host's load falls on both)."""
+    """Each kind's step times, the two kinds taken in turns, one step each,
+    so that a change in the host's load falls on both. (Rounds of 12 steps
+    of one kind, then 12 of the other, let a burst of another tenant's work
+    fall on one kind: on a shared host a bucket then read 1.09x and, in one
+    step at a time, 1.23x.)"""
     times: tuple[list[float], list[float]] = ([], [])
+    kinds = ((eager, times[0]), (compiled, times[1]))
     for _ in range(rounds):
-        for step, into in ((eager, times[0]), (compiled, times[1])):
+        for step, _ in kinds:
             for _ in range(UNTIMED_STEPS):
                 step()
-            for _ in range(steps):
+        for _ in range(steps):
+            for step, into in kinds:
                 started = clock()
                 step()
                 into.append(clock() - started)

@@ -130,7 +130,7 @@ def test_a_store_over_a_file_only_warns(tmp_path: Path, caplog: pytest.LogCaptur
     assert VerdictStore(tmp_path / "compile").load("k") is None
 
 
-def test_rounds_alternate_and_time_only_the_timed_steps() -> None:
+def test_the_kinds_take_turns_step_by_step_and_only_timed_steps_are_timed() -> None:
     calls: list[str] = []
     ticks = itertools.count()
 
@@ -144,7 +144,8 @@ def test_rounds_alternate_and_time_only_the_timed_steps() -> None:
     assert len(eager) == len(compiled) == 6
     assert all(t == 1.0 for t in eager + compiled)  # one tick from each start to its end
     steps = [c for c in calls if c != "clock"]
-    one_round = ["eager"] * (UNTIMED_STEPS + 3) + ["compiled"] * (UNTIMED_STEPS + 3)
+    untimed = ["eager"] * UNTIMED_STEPS + ["compiled"] * UNTIMED_STEPS
+    one_round = untimed + ["eager", "compiled"] * 3
     assert steps == one_round * 2
     assert calls.count("clock") == 2 * 6 * 2
 
