@@ -190,7 +190,7 @@ def time_rounds(
     return times
 
 
-def scratch_prompts(rows: int, vocab: int) -> Iterable[list[int]]:
-    """Distinct, deterministic prompts for ``rows`` scratch rows."""
+def scratch_prompts(rows: int, vocab: int, *, length: int = SCRATCH_PROMPT) -> Iterable[list[int]]:
+    """Distinct, deterministic prompts of ``length`` tokens for ``rows`` scratch rows."""
     for row in range(rows):
-        yield [(row * 7919 + position * 104729) % vocab for position in range(SCRATCH_PROMPT)]
+        yield [(row * 7919 + position * 104729) % vocab for position in range(length)]

@@ -90,6 +90,8 @@ from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.memory import give_back_heap, host_available_bytes
 from sluiceway.engines.torch_compiled import BUCKETS, CompiledStep
 from sluiceway.engines.torch_compiled import MODES as COMPILE_MODES
+from sluiceway.engines.torch_compiled_prefill import MIN_LENGTH as PREFILL_MIN_LENGTH
+from sluiceway.engines.torch_compiled_prefill import CompiledPrefill
 from sluiceway.engines.torch_packed import KEYWORD, Packed, StoreCache, attend
 from sluiceway.engines.torch_prepack import prepack_linears, unsupported
 
@@ -100,6 +102,9 @@ _NO_MASK = torch.zeros(1, 1, 1, 1)
 
 #: Prompt positions per forward pass while prefilling, to bound peak memory.
 PREFILL_STEP = 512
+#: The scratch prompt ``--compile auto`` times the compiled prefill on, and its slot.
+PREFILL_SCRATCH = 64
+_SCRATCH_SLOT = 0
 #: The time axis grows in multiples of this many positions.
 TIME_STEP = 256
 #: The running batch starts with room for this many rows, doubling as needed.
@@ -505,9 +510,23 @@ class TransformersEngine:
             free_memory_bytes=_free_memory(self._device),
             threads=self._threads if self._device.type == "cpu" else 0,
         )
+        #: A new prompt's first chunk through one graph (with a compiled step).
+        self._compiled_prefill: CompiledPrefill | None = None
         if compile == "auto" and self._compiled is not None:
             store = compile_verdicts or VerdictStore(default_cache_dir() / "compile")
-            self._compiled = self._choose_compiled(self._compiled, source, store)
+            key = verdict_key(
+                source.path,
+                dtype=self._info.dtype,
+                threads=self._threads,
+                torch_version=torch.__version__,
+                buckets=self._compiled.buckets,
+                prepacked=self._prepacked > 0,
+            )
+            self._compiled = self._choose_compiled(self._compiled, key, store)
+            if self._compiled is not None and self._compiled.bucket(1) == 1:
+                self._compiled_prefill = self._choose_prefill(f"{key}-prefill", store)
+        elif self._compiled is not None:  # on: compiled on the first prefill
+            self._compiled_prefill = CompiledPrefill(self._model, self._cache_keyword)
         logger.info(
             "transformers engine: %s on %s, %s, %d threads, %s",
             source.name,
@@ -558,7 +577,9 @@ class TransformersEngine:
             for begin in range(0, len(token_ids), PREFILL_STEP):
                 chunk = list(token_ids[begin : begin + PREFILL_STEP])
                 ids = torch.tensor([chunk], dtype=torch.long, device=self._device)
-                logits = self._forward(rows, ids, keep=0 if all_logits else 1)
+                logits = None if all_logits else self._graph_prefill(rows, ids)
+                if logits is None:
+                    logits = self._forward(rows, ids, keep=0 if all_logits else 1)
                 if all_logits or begin + PREFILL_STEP >= len(token_ids):
                     pieces.append(logits[0])
             return _to_numpy(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
@@ -749,21 +770,69 @@ class TransformersEngine:
         logits: torch.Tensor = output.logits[0]
         return logits
 
+    def _graph_prefill(self, rows: KVRows, ids: torch.Tensor) -> torch.Tensor | None:
+        """A fresh row's chunk through the compiled prefill, its keys and
+        values copied into ``rows``; None where the graph does not apply."""
+        graph, length = self._compiled_prefill, ids.shape[1]
+        if graph is None or not graph.active or rows.window or length < PREFILL_MIN_LENGTH:
+            return None
+        prefilled = graph(ids)
+        if prefilled is None:
+            return None
+        logits, keys, values = prefilled
+        rows.reserve(right=length)
+        for layer, (layer_keys, layer_values) in enumerate(zip(keys, values, strict=True)):
+            rows.write(layer, layer_keys, layer_values)
+        rows.advance(length)
+        return logits
+
+    def _choose_prefill(self, key: str, store: VerdictStore) -> CompiledPrefill | None:
+        """``--compile auto``, with the one-row decode step compiled: the
+        compiled prefill, kept where a scratch prompt's prefill measures at
+        least :data:`MIN_SPEEDUP` times faster, and then compiled now; the
+        verdict is stored under ``key`` as the decode step's are."""
+        graph = CompiledPrefill(self._model, self._cache_keyword)
+        prompt = next(iter(scratch_prompts(1, self._info.vocab_size, length=PREFILL_SCRATCH)))
+
+        def through(candidate: CompiledPrefill | None) -> Callable[[], None]:
+            def one() -> None:
+                self._compiled_prefill = candidate
+                self.prefill(_SCRATCH_SLOT, prompt)
+                self.free(_SCRATCH_SLOT)
+
+            return one
+
+        stored, how = store.load(key), "stored"
+        if stored:
+            verdict = stored[0]
+            if verdict.keep:  # compile it now, not on a request
+                through(graph)()
+        else:
+            how = "measured"
+            eager, compiled = time_rounds(
+                through(None), through(graph), time.perf_counter, rounds=1, steps=8
+            )
+            verdict = decide(PREFILL_SCRATCH, eager, compiled)
+            if graph.active:  # not stored: a missing compiler may be installed later
+                store.save(key, [verdict])
+        self._compiled_prefill = None
+        kept = graph.active and verdict.keep
+        logger.info(
+            "--compile auto: %s (compiled ÷ eager %.2fx for %d tokens, %s)",
+            "compiled prefill of new prompts" if kept else "eager prefill",
+            verdict.speedup,
+            PREFILL_SCRATCH,
+            how,
+        )
+        return graph if kept else None
+
     def _choose_compiled(
-        self, step: CompiledStep, source: ModelSource, store: VerdictStore
+        self, step: CompiledStep, key: str, store: VerdictStore
     ) -> CompiledStep | None:
         """``--compile auto``: ``step`` limited to the buckets where it decodes
         faster than the eager step, each compiled now, so that no request
         waits for it; None where it is faster in none
         (:mod:`~sluiceway.engines.compile_choice`)."""
-        key = verdict_key(
-            source.path,
-            dtype=self._info.dtype,
-            threads=self._threads,
-            torch_version=torch.__version__,
-            buckets=step.buckets,
-            prepacked=self._prepacked > 0,
-        )
         verdicts, how = store.load(key), "stored"
         if verdicts is None:
             verdicts, how = self._time_buckets(step), "measured"

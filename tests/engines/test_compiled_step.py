@@ -24,6 +24,7 @@ from sluiceway.engines import torch_engine
 from sluiceway.engines.compile_choice import Verdict, VerdictStore, time_rounds
 from sluiceway.engines.loader import ModelSource, resolve_model
 from sluiceway.engines.torch_compiled import CompiledStep, bucket_for
+from sluiceway.engines.torch_compiled_prefill import CompiledPrefill
 from sluiceway.engines.torch_engine import TransformersEngine
 from tests.engines.conftest import COMPILE_MAX_BATCH
 from tests.engines.helpers import assert_same_trace, run_schedule
@@ -106,7 +107,8 @@ def test_compiled_rows_equal_eager_rows_in_every_bucket(
     assert ran[1] >= 2, ran
     assert ran[2] >= 2, ran
     assert ran[4] >= 5, ran
-    assert counters["stats"]["unique_graphs"] - graphs <= len(step.buckets)
+    # One graph per bucket, and the compiled prefill's (one for every length).
+    assert counters["stats"]["unique_graphs"] - graphs <= len(step.buckets) + 1
 
 
 def test_a_longer_past_and_a_larger_buffer_reuse_the_graph(
@@ -256,6 +258,14 @@ def cheap_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         torch_engine, "CompiledStep", functools.partial(CompiledStep, backend="eager")
     )
+    monkeypatch.setattr(
+        torch_engine, "CompiledPrefill", functools.partial(CompiledPrefill, backend="eager")
+    )
+
+
+def _decode_verdicts(directory: Path) -> Path:
+    (stored,) = [path for path in directory.iterdir() if not path.stem.endswith("-prefill")]
+    return stored
 
 
 @pytest.mark.usefixtures("cheap_compile")
@@ -265,21 +275,27 @@ def test_auto_keeps_a_faster_step_and_compiles_its_buckets_before_serving(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(torch_engine, "time_rounds", _timed(2.0, 1.5))
+    monkeypatch.setattr(torch_engine, "time_rounds", _timed(2.0, 1.5, 1.3))
     store = VerdictStore(tmp_path)
     engine = _auto_engine(tiny_model, store)
     step = engine.compiled_step
     assert step is not None
     assert step.buckets == (1, 2)
     assert all(count >= 1 for count in step.steps.values()), step.steps  # compiled at start
-    (stored,) = tmp_path.iterdir()
+    stored = _decode_verdicts(tmp_path)
     assert store.load(stored.stem) == [Verdict(1, 2.0, True), Verdict(2, 1.5, True)]
+    # The one-row step is compiled, so the prefill was timed too, and kept.
+    assert store.load(f"{stored.stem}-prefill") == [Verdict(64, 1.3, True)]
+    graph = engine._compiled_prefill
+    assert graph is not None
+    runs = graph.runs
     # The scratch rows are gone: every slot is free, and rows decode as the eager engine's.
     prompts = {0: prompt(40, 9), 1: prompt(41, 5)}
     got = run_schedule(engine, prompts, {0: [0, 1]}, {}, 3)
     expected = run_schedule(eager, prompts, {0: [0, 1]}, {}, 3)
     for (slot, trace), (_, want) in zip(got, expected, strict=True):
         assert_same_trace(trace, want, f"slot {slot}")
+    assert graph.runs == runs + 2  # both new prompts went through it
     engine.close()
     # A later start takes the stored verdicts without timing again.
     monkeypatch.setattr(torch_engine, "time_rounds", _untimed)
@@ -287,6 +303,8 @@ def test_auto_keeps_a_faster_step_and_compiles_its_buckets_before_serving(
     assert again.compiled_step is not None
     assert again.compiled_step.buckets == (1, 2)
     assert all(count == 1 for count in again.compiled_step.steps.values())
+    assert again._compiled_prefill is not None
+    assert again._compiled_prefill.runs == 1  # compiled at start, from the stored verdict
     again.close()
 
 
@@ -297,7 +315,7 @@ def test_auto_stops_at_the_first_bucket_that_is_not_faster(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setattr(torch_engine, "time_rounds", _timed(1.5, 1.0))
+    monkeypatch.setattr(torch_engine, "time_rounds", _timed(1.5, 1.0, 1.05))
     store = VerdictStore(tmp_path)
     with caplog.at_level(logging.INFO, logger="sluiceway.engines.torch_engine"):
         engine = _auto_engine(tiny_model, store)
@@ -305,6 +323,8 @@ def test_auto_stops_at_the_first_bucket_that_is_not_faster(
     assert step is not None
     assert step.buckets == (1,)
     assert "batches up to 1 (compiled ÷ eager 1: 1.50x, 2: 1.00x, measured)" in caplog.text
+    assert engine._compiled_prefill is None  # the prefill's 1.05x is not enough
+    assert "eager prefill (compiled ÷ eager 1.05x for 64 tokens, measured)" in caplog.text
     assert step.bucket(1) == 1
     assert step.bucket(2) is None
     engine.prefill(0, prompt(44, 5))
@@ -331,7 +351,7 @@ def test_auto_decodes_eagerly_where_the_compiled_step_is_not_faster(
     engine.prefill(0, prompt(42, 6))
     assert engine.decode({0: 5}).slots == (0,)
     engine.close()
-    (stored,) = tmp_path.iterdir()
+    (stored,) = tmp_path.iterdir()  # no prefill verdict: the one-row step is eager
     assert store.load(stored.stem) == [Verdict(1, 1.05, False)]  # bucket 2 never timed
     # Later starts neither time nor compile.
     monkeypatch.setattr(torch_engine, "time_rounds", _untimed)
