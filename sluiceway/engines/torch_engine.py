@@ -607,7 +607,8 @@ class TransformersEngine:
                 padded = [tokens[slot] for slot in self._order] + [0] * (bucket - rows)
                 ids = torch.tensor(padded, device=self._device)[:, None]
                 assert self._compiled is not None
-                compiled = self._compiled(ids, *batch.padded_inputs(bucket))
+                with self._graph_threads():
+                    compiled = self._compiled(ids, *batch.padded_inputs(bucket))
                 if compiled is not None:
                     batch.advance(1)
                     return DecodeResult(tuple(self._order), _to_numpy(compiled[:rows]))
@@ -770,13 +771,30 @@ class TransformersEngine:
         logits: torch.Tensor = output.logits[0]
         return logits
 
+    @contextlib.contextmanager
+    def _graph_threads(self) -> Iterator[None]:
+        """Run a compiled graph on the engine's whole thread count, whatever
+        count the child process's tuner set for eager steps: Dynamo guards a
+        graph on the thread count, so a graph run on another count compiles
+        again, on a request (measured: a 4.9 s first token)."""
+        current = torch.get_num_threads()
+        if self._device.type != "cpu" or current == self._threads:
+            yield
+            return
+        torch.set_num_threads(self._threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(current)
+
     def _graph_prefill(self, rows: KVRows, ids: torch.Tensor) -> torch.Tensor | None:
         """A fresh row's chunk through the compiled prefill, its keys and
         values copied into ``rows``; None where the graph does not apply."""
         graph, length = self._compiled_prefill, ids.shape[1]
         if graph is None or not graph.active or rows.window or length < PREFILL_MIN_LENGTH:
             return None
-        prefilled = graph(ids)
+        with self._graph_threads():
+            prefilled = graph(ids)
         if prefilled is None:
             return None
         logits, keys, values = prefilled

@@ -39,7 +39,7 @@ def eager(tiny_model: ModelSource) -> Iterator[TransformersEngine]:
 
 
 def _engine(
-    source: ModelSource, monkeypatch: pytest.MonkeyPatch, backend: Any
+    source: ModelSource, monkeypatch: pytest.MonkeyPatch, backend: Any, threads: int = 0
 ) -> TransformersEngine:
     monkeypatch.setattr(
         torch_engine, "CompiledStep", functools.partial(CompiledStep, backend="eager")
@@ -47,7 +47,9 @@ def _engine(
     monkeypatch.setattr(
         torch_engine, "CompiledPrefill", functools.partial(CompiledPrefill, backend=backend)
     )
-    return TransformersEngine(source, dtype="float32", compile="on", compile_max_batch=2)
+    return TransformersEngine(
+        source, dtype="float32", compile="on", compile_max_batch=2, threads=threads
+    )
 
 
 @pytest.fixture
@@ -117,6 +119,28 @@ def test_a_graph_that_fails_is_given_up_for_good(
     assert_same_trace(greedy_alone(engine, second, 3), greedy_alone(eager, second, 3), "second")
     assert len(calls) == tried
     engine.close()
+
+
+def test_graphs_run_on_the_engines_thread_count_whatever_the_tuner_set(
+    tiny_model: ModelSource, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dynamo guards a graph on the thread count: a graph run on the count
+    the child's tuner chose for eager steps would compile again, on a request."""
+    from torch._dynamo.utils import counters
+
+    engine = _engine(tiny_model, monkeypatch, "eager", threads=2)
+    try:
+        greedy_alone(engine, prompt(11, 6), 3)  # the prefill and bucket 1, on 2 threads
+        graphs = counters["stats"]["unique_graphs"]
+        runs = _runs(engine)
+        engine.set_threads(1)
+        greedy_alone(engine, prompt(12, 7), 3)
+        assert _runs(engine) == runs + 1
+        assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled again
+        assert torch.get_num_threads() == 1  # the eager steps keep the tuner's count
+    finally:
+        engine.set_threads(2)
+        engine.close()
 
 
 def test_inductors_graph_prefills_as_the_eager_forward(
