@@ -143,6 +143,13 @@ def step_function(model: Any, cache_keyword: str) -> StepFunction:
     return step
 
 
+def failure_summary(error: BaseException) -> str:
+    """Why a graph was given up, in a line: the error's type and the first two
+    non-blank lines of its message (Inductor's run to dozens)."""
+    lines = [line for line in str(error).splitlines() if line.strip()][:2]
+    return " ".join([type(error).__name__ + ":", *lines])
+
+
 class CompiledStep:
     """The compiled decode step of one model, one graph per bucket, with the
     eager step as the fallback (``failure`` says why it was taken)."""
@@ -202,8 +209,7 @@ class CompiledStep:
             with shapes_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
                 logits: torch.Tensor = self._compiled(ids, positions, mask, index, keys, values)
         except Exception as error:  # any failure: the eager step still works
-            lines = [line for line in str(error).splitlines() if line.strip()][:2]
-            self.failure = " ".join([type(error).__name__ + ":", *lines])
+            self.failure = failure_summary(error)
             logger.warning("compiled decode step failed, decoding eagerly: %s", self.failure)
             logger.debug("the compiled decode step's failure", exc_info=True)
             return None

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from sluiceway.engines.torch_compiled import failure_summary
+
 logger = logging.getLogger(__name__)
 
 #: The shortest chunk that takes the graph (a size of one is specialised).
@@ -68,8 +70,7 @@ class CompiledPrefill:
         try:
             result: Prefilled = self._compiled(ids)
         except Exception as error:  # any failure: the eager prefill still works
-            lines = [line for line in str(error).splitlines() if line.strip()][:2]
-            self.failure = " ".join([type(error).__name__ + ":", *lines])
+            self.failure = failure_summary(error)
             logger.warning("compiled prefill failed, prefilling eagerly: %s", self.failure)
             logger.debug("the compiled prefill's failure", exc_info=True)
             return None

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         "buckets up to the first that is not at least 1.1x faster, compiled before serving "
         "(the verdicts are stored per model and machine; docs/engines.md); on: always, "
         "each bucket on the first step of its size (seconds to a minute); off: eager. "
-        "Eager wherever compiling fails",
+        "Where the one-row step is compiled, new prompts prefill through one compiled graph "
+        "too. Eager wherever compiling fails",
         "compile_max_batch": "with --compile auto or on, the largest batch bucket compiled; "
         "larger batches decode eagerly",
         "prepack": "transformers on the CPU with bfloat16 weights: reorder each linear layer's "
