@@ -27,7 +27,8 @@ from sluiceway.protocol.messages import TokenLogprob
 
 #: The tags: the first byte of every message.
 PICKLED = b"P"
-#: A plan that decodes greedily and does nothing else: (slot, token) pairs.
+#: A plan that decodes greedily and does nothing else: the count of its
+#: stop ids, the ids, then (slot, token) pairs.
 DECODE = b"D"
 #: A decode step's reply without logprobs: the slots, then the engine's picks.
 PICKED = b"G"
@@ -49,7 +50,13 @@ def load_call(data: bytes) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
     """The call :func:`dump_call` packed."""
     if data[:1] == DECODE:
         values = memoryview(data)[1:].cast("q").tolist()
-        plan = StepPlan(decode=dict(zip(values[::2], values[1::2], strict=True)), greedy=True)
+        stops = values[0] + 1
+        pairs = values[stops:]
+        plan = StepPlan(
+            decode=dict(zip(pairs[::2], pairs[1::2], strict=True)),
+            greedy=True,
+            stop_ids=frozenset(values[1:stops]),
+        )
         return "execute", (plan,), {}
     call: tuple[str, tuple[Any, ...], dict[str, Any]] = pickle.loads(memoryview(data)[1:])
     return call
@@ -83,13 +90,13 @@ def _packed_plan(plan: Any) -> bytes | None:
     """``plan`` packed, if it only decodes greedily (else None: pickle it)."""
     if type(plan) is not StepPlan or not plan.greedy or not plan.decode:
         return None
-    if plan.cache_ops or plan.frees or plan.prefills or plan.masks or plan.draws:
+    if plan.cache_ops or plan.frees or plan.prefills or plan.masks or plan.draws or plan.ending:
         return None
-    pairs = array("q")
+    values = array("q", (len(plan.stop_ids), *plan.stop_ids))
     for slot, token in plan.decode.items():
-        pairs.append(slot)
-        pairs.append(token)
-    return DECODE + pairs.tobytes()
+        values.append(slot)
+        values.append(token)
+    return DECODE + values.tobytes()
 
 
 @dataclass(frozen=True, slots=True)

@@ -218,7 +218,11 @@ class StepPlan:
     want logprobs, with nothing to adjust (``Row.unadjusted``); their
     logprobs come back in ``StepOutcome.decode_logprobs``.
     ``cache_ops`` (prefix-cache edits, and copies of finished rows) run
-    first, before ``frees``."""
+    first, before ``frees``.
+    ``ending`` (slots: rows decoded or starting) and ``stop_ids``: the rows
+    whose token from this step is their last (``max_tokens``), and the ids
+    that end a row when it picks them (the model's EOS); the step decoded
+    ahead (:mod:`sluiceway.actors.run_ahead`) leaves such rows out."""
 
     cache_ops: tuple[CacheOp, ...] = ()
     frees: tuple[int, ...] = ()
@@ -227,6 +231,8 @@ class StepPlan:
     greedy: bool = False
     masks: Mapping[int, Bitmask] = field(default_factory=dict)
     draws: Mapping[int, Draw] = field(default_factory=dict)
+    ending: tuple[int, ...] = ()
+    stop_ids: frozenset[int] = frozenset()
 
     def __reduce__(self) -> tuple[Callable[..., StepPlan], tuple[object, ...]]:
         # A sampled step's plan crosses the engine's pipe with one draw per
@@ -234,7 +240,7 @@ class StepPlan:
         # as named tuples (whose pickling calls Python once each).
         draws = {slot: tuple(draw) for slot, draw in self.draws.items()}
         fields = (self.cache_ops, self.frees, self.prefills, self.decode, self.greedy)
-        return (_unpickled_plan, (*fields, self.masks, draws))
+        return (_unpickled_plan, (*fields, self.masks, draws, self.ending, self.stop_ids))
 
 
 def _unpickled_plan(
@@ -245,6 +251,8 @@ def _unpickled_plan(
     greedy: bool,
     masks: Mapping[int, Bitmask],
     draws: Mapping[int, tuple[object, ...]],
+    ending: tuple[int, ...],
+    stop_ids: frozenset[int],
 ) -> StepPlan:
     return StepPlan(
         cache_ops=cache_ops,
@@ -254,6 +262,8 @@ def _unpickled_plan(
         greedy=greedy,
         masks=masks,
         draws={slot: Draw._make(values) for slot, values in draws.items()},
+        ending=ending,
+        stop_ids=stop_ids,
     )
 
 

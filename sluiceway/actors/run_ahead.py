@@ -220,7 +220,8 @@ def _prediction(
     """The next step's decode, when the scheduler's next plan is foreseeable:
     every decoded row with the engine's pick, and every row whose prompt was
     just prefilled (its choices' forks too; ``late``: in the step decoded
-    ahead of this plan) joining with its first token."""
+    ahead of this plan) joining with its first token; nothing when every
+    one of them ends (``StepPlan.ending``, ``StepPlan.stop_ids``)."""
     if not plan.greedy:
         return None
     tokens: dict[int, int] = {}
@@ -242,7 +243,22 @@ def _prediction(
                 tokens.update(zip(slots, prefilled.greedy.tolist(), strict=True))
             else:
                 tokens.update(dict.fromkeys(slots, int(prefilled.greedy[-1])))
+    if tokens and (plan.ending or plan.stop_ids) and _all_end(tokens, plan):
+        return None
     return tokens or None
+
+
+def _all_end(tokens: dict[int, int], plan: StepPlan) -> bool:
+    """Whether every row of ``tokens`` ends with its token. Then no step is
+    decoded ahead: the next plan frees them all, and a request arriving
+    meanwhile need not wait for a decode it throws away (at one stream,
+    every request after the first did, and a wave of requests ending
+    together made the next wave wait for one). A decode names every
+    running row, so while one row goes on, those that end are decoded too.
+    A row kept going by ``ignore_eos`` whose pick is an EOS id counts as
+    ending: its plan then runs the step (rare, and exact either way)."""
+    ending, stops = frozenset(plan.ending), plan.stop_ids
+    return all(token in stops or slot in ending for slot, token in tokens.items())
 
 
 def _serves(ahead: _Ahead, plan: StepPlan) -> bool:

@@ -485,6 +485,8 @@ class SchedulerCore:
             decode=decode,
             greedy=greedy,
             masks={c.slot: masks[c.slot] for c in decoding if c.slot in masks} if greedy else {},
+            ending=self._ending(decoding, prefills) if greedy else (),
+            stop_ids=self._config.eos_ids if greedy else frozenset(),
         )
         to_draw: dict[str, list[Row]] = {}
         if greedy and self._guided:
@@ -494,6 +496,16 @@ class SchedulerCore:
                 if work.final and not _starts_plain(self._requests[work.request_id].spec)
             }
         return Planned(plan, drawn if greedy and drawn else [], to_draw)
+
+    def _ending(self, decoding: list[Choice], prefills: list[PrefillWork]) -> tuple[int, ...]:
+        """The rows whose token from this step is their last by ``max_tokens``:
+        decoding rows, and the choices of prompts whose final chunk this step
+        prefills (a paused choice coming back is never a final chunk)."""
+        ending = [c.slot for c in decoding if c.generated + 1 >= c.request.spec.limits.max_tokens]
+        for work in prefills:
+            if work.final and self._requests[work.request_id].spec.limits.max_tokens <= 1:
+                ending += (work.slot, *work.forks)
+        return tuple(ending)
 
     def _drawn(
         self, decoding: list[Choice], masks: Mapping[int, Bitmask]

@@ -365,13 +365,15 @@ def test_the_child_tunes_its_threads_only_where_the_engine_may_choose() -> None:
 def test_the_tuning_times_each_round_and_applies_the_faster_count() -> None:
     """A round is the time from one plan to the next; on a host where one
     thread fewer is faster, the child moves to it. A call between steps
-    (a prefix-cache copy, a memory release) is not counted as a round."""
+    (a prefix-cache copy, a memory release) is not counted as a round. A
+    step that prefills runs on every thread, and the decode after it on the
+    tuner's count again."""
     from sluiceway.actors.engine_process import _Tuning
     from sluiceway.actors.thread_tuner import ThreadTuner
 
     engine = _Threaded(2)
     now = [0.0]
-    tuning = _Tuning(engine, ThreadTuner(2), 2, clock=lambda: now[0])
+    tuning = _Tuning(engine, ThreadTuner(2), 2, 2, clock=lambda: now[0])
     plan = StepPlan(decode=dict.fromkeys(range(4), 1))
     for _ in range(200):
         tuning.before(plan)
@@ -386,4 +388,6 @@ def test_the_tuning_times_each_round_and_applies_the_faster_count() -> None:
     )
     assert tuning.rows == 0
     assert not tuning.steady
+    assert engine.threads == 2
+    tuning.before(plan)
     assert engine.threads == 1

@@ -24,14 +24,25 @@ ids = st.integers(min_value=0, max_value=2**40)
 decodes = st.dictionaries(ids, ids, max_size=70)
 
 
-@given(decode=decodes, greedy=st.booleans(), frees=st.lists(ids, max_size=3).map(tuple))
+@given(
+    decode=decodes,
+    greedy=st.booleans(),
+    frees=st.lists(ids, max_size=3).map(tuple),
+    ending=st.lists(ids, max_size=3).map(tuple),
+    stop_ids=st.frozensets(ids, max_size=3),
+)
 def test_every_plan_crosses_the_pipe_unchanged(
-    decode: dict[int, int], greedy: bool, frees: tuple[int, ...]
+    decode: dict[int, int],
+    greedy: bool,
+    frees: tuple[int, ...],
+    ending: tuple[int, ...],
+    stop_ids: frozenset[int],
 ) -> None:
-    plan = StepPlan(frees=frees, decode=decode, greedy=greedy)
+    plan = StepPlan(frees=frees, decode=decode, greedy=greedy, ending=ending, stop_ids=stop_ids)
     data = dump_call("execute", (plan,), {})
-    # Only a plan that decodes greedily and does nothing else is packed.
-    packed = greedy and bool(decode) and not frees
+    # Only a plan that decodes greedily and does nothing else is packed
+    # (its stop ids with it: the steady step carries the model's EOS).
+    packed = greedy and bool(decode) and not frees and not ending
     assert data[:1] == (DECODE if packed else PICKLED)
     method, args, kwargs = load_call(data)
     assert (method, kwargs) == ("execute", {})
@@ -87,4 +98,5 @@ def test_the_packed_plan_knows_every_field_of_a_plan() -> None:
     from dataclasses import fields
 
     known = {"cache_ops", "frees", "prefills", "decode", "greedy", "masks", "draws"}
+    known |= {"ending", "stop_ids"}
     assert {field.name for field in fields(StepPlan)} == known

@@ -134,8 +134,22 @@ class Schedule:
                 if draw(st.integers(0, 2)) == 0:
                     allowed = draw(st.lists(st.booleans(), min_size=VOCAB, max_size=VOCAB))
                     masks[slot] = pack(np.array(allowed) | (np.arange(VOCAB) == slot % VOCAB))
+        # Rows said to end (by length, or on a stop id) that the toy
+        # schedule keeps going anyway: the step ahead left them out, and
+        # must be taken back exactly.
+        ending: tuple[int, ...] = ()
+        stop_ids: frozenset[int] = frozenset()
+        if greedy and draw(st.booleans()):
+            ending = tuple(s for s in [*decode, *(w.slot for w in prefills)] if draw(st.booleans()))
+            stop_ids = frozenset(draw(st.sets(st.integers(0, VOCAB - 1), max_size=3)))
         return StepPlan(
-            frees=frees, prefills=tuple(prefills), decode=dict(decode), greedy=greedy, masks=masks
+            frees=frees,
+            prefills=tuple(prefills),
+            decode=dict(decode),
+            greedy=greedy,
+            masks=masks,
+            ending=ending,
+            stop_ids=stop_ids,
         )
 
     def absorb(self, plan: StepPlan, outcome: StepOutcome) -> None:
@@ -210,6 +224,50 @@ def test_steady_greedy_steps_are_served_from_ahead() -> None:
     runner.settle()
     assert runner.taken_back == 1
     assert len(engine.running[0]) == 2 + 5
+
+
+def test_no_step_is_decoded_ahead_when_every_row_ends() -> None:
+    """When every row's token is its last (``ending``) or an id that ends it
+    (``stop_ids``), nothing runs ahead, so the next request's prefill does
+    not wait for a decode thrown away. While one row goes on, every running
+    row is decoded ahead (a decode names them all)."""
+    engine = HistoryEngine()
+    runner = RunAhead(engine)
+    engine.prefill(0, [1, 2])
+    engine.prefill(1, [3])
+    plan = StepPlan(decode={0: 3, 1: 4}, greedy=True)
+    outcome = runner.execute(plan)
+    assert outcome.decode_greedy is not None
+    picks = outcome.decode_greedy.tolist()
+    runner.run_ahead(replace(plan, ending=(0, 1)), outcome)
+    runner.run_ahead(replace(plan, ending=(0,), stop_ids=frozenset({picks[1]})), outcome)
+    assert engine.decodes == 1
+    runner.run_ahead(replace(plan, ending=(0,)), outcome)
+    assert engine.decodes == 2
+    served = runner.execute(StepPlan(frees=(0,), decode={1: picks[1]}, greedy=True))
+    assert (runner.served, runner.taken_back) == (1, 0)
+    assert served.decode is not None
+    assert served.decode.slots == (1,)
+
+
+def test_a_row_that_goes_on_past_a_stop_id_is_decoded_by_its_plan() -> None:
+    """A row kept going by ``ignore_eos`` that picks an EOS id was left out
+    of the step ahead; its plan takes that step back and runs its own."""
+    plain, engine = HistoryEngine(), HistoryEngine()
+    runner = RunAhead(engine)
+    for each in (plain, engine):
+        each.prefill(0, [1, 2])
+    plan = StepPlan(decode={0: 3}, greedy=True)
+    outcome = runner.execute(plan)
+    execute(plain, plan)
+    assert outcome.decode_greedy is not None
+    pick = int(outcome.decode_greedy[0])
+    runner.run_ahead(replace(plan, stop_ids=frozenset({pick})), outcome)
+    assert engine.decodes == 1
+    runner.execute(StepPlan(decode={0: pick}, greedy=True))
+    execute(plain, StepPlan(decode={0: pick}, greedy=True))
+    assert (runner.served, runner.taken_back) == (0, 0)
+    assert engine.histories == plain.histories
 
 
 class AsyncHistoryEngine(HistoryEngine):

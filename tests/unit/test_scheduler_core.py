@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import inspect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -40,11 +41,12 @@ from hypothesis.stateful import (
 )
 
 from sluiceway.actors import scheduler_core
-from sluiceway.actors.engine_work import PrefillOutcome, execute
+from sluiceway.actors.engine_work import PrefillOutcome, StepPlan, execute
 from sluiceway.actors.sampling import Draw
 from sluiceway.actors.scheduler_core import (
     RELEASE_INTERVAL_SECONDS,
     Batch,
+    Choice,
     CloseOutput,
     Counters,
     Deliver,
@@ -236,7 +238,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             tokens = [int(t) for t in np.argmax(self.core.sample_step(batch).logits, axis=1)]
         self.core.deliver_samples(self.core.decide(batch.choices, tokens, batch.scores))
         self.carry()
+        self.check_ending(plan, batch.choices)
         return {choice.request.spec.request_id for choice in batch.choices}
+
+    def check_ending(self, plan: StepPlan, choices: Sequence[Choice]) -> None:
+        """The rows a greedy plan said end with this step's token are the
+        rows whose token it was by ``max_tokens``, and its stop ids are the
+        model's EOS (the step decoded ahead leaves such rows out)."""
+        if not plan.greedy:
+            return
+        reached = {c.slot for c in choices if c.generated >= c.request.spec.limits.max_tokens}
+        assert set(plan.ending) == reached
+        assert plan.stop_ids == {EOS}
 
     def slow_readers(self, got: set[str]) -> None:
         """Slow readers fall behind once a step brought them tokens, and the
