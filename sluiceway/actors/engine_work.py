@@ -348,8 +348,7 @@ def execute(
     # A pass takes one chunk per slot (each writes at its slot's end).
     pack = pack and len({work.slot for work in plan.prefills}) == len(plan.prefills)
     prefills: list[PrefillOutcome | None] = []
-    groups: list[list[PrefillWork]] = []
-    budget = PackBudget(left=0)
+    to_pack: list[PrefillWork] = []
     for work in plan.prefills:
         if cache_error is not None and work.restore_length:
             # After a failed edit, an entry may hold other positions than
@@ -358,18 +357,41 @@ def execute(
         elif defer is not None and defer(work):
             prefills.append(PrefillOutcome(deferred=True))
         elif pack and packable(work):
-            if not budget.take(work):  # this pass is full: start the next
-                budget = PackBudget()
-                budget.take(work)
-                groups.append([])
-            groups[-1].append(work)
+            to_pack.append(work)
             prefills.append(None)
         else:
             prefills.append(_prefill(engine, work))
     outcome = StepOutcome(prefills=[], decode=decoded, cache_error=cache_error)
-    ran = iter(_run_groups(engine, outcome, plan.decode if decoded is None else {}, groups))
+    tokens = plan.decode if decoded is None else {}
+    ran = iter(_run_groups(engine, outcome, tokens, _pass_groups(to_pack)))
     outcome.prefills = [p if p is not None else next(ran) for p in prefills]
     return _decoded(engine, plan, outcome)
+
+
+def packed_passes(
+    engine: Engine, tokens: Mapping[int, int], works: Sequence[PrefillWork]
+) -> tuple[DecodeResult | None, list[PrefillOutcome]]:
+    """Decode ``tokens`` (if any) and prefill ``works`` (each
+    :func:`packable`, one per slot) in as few forward passes as
+    :data:`PACKED_TOKENS` allows, the decode in the first; returns the
+    decode's result (None without one, or when its pass failed) and each
+    chunk's outcome."""
+    outcome = StepOutcome(prefills=[])
+    ran = _run_groups(engine, outcome, tokens, _pass_groups(works))
+    return outcome.decode, ran
+
+
+def _pass_groups(works: Sequence[PrefillWork]) -> list[list[PrefillWork]]:
+    """``works`` in order, cut into the groups of one packed pass each."""
+    groups: list[list[PrefillWork]] = []
+    budget = PackBudget(left=0)
+    for work in works:
+        if not budget.take(work):  # this pass is full: start the next
+            budget = PackBudget()
+            budget.take(work)
+            groups.append([])
+        groups[-1].append(work)
+    return groups
 
 
 def _decoded(engine: Engine, plan: StepPlan, outcome: StepOutcome) -> StepOutcome:

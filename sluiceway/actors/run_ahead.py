@@ -21,11 +21,13 @@ What the plan may differ in, and how that is met:
   decode;
 - with an engine that packs prefills into a decode step
   (:class:`~sluiceway.engines.base.PackingEngine`), a plan served from ahead
-  leaves its prompts' final chunks (up to ``PACKED_TOKENS`` tokens, and no
-  prompt logprobs) to the next step decoded ahead: they are prefilled in
-  that step's forward pass, at the cost of their arithmetic rather than of a
-  pass of their own. Their outcomes come with the next plan's outcome
-  (``StepOutcome.late``), and their rows join the step decoded after that.
+  leaves its prompts' final chunks (each up to ``PACKED_TOKENS`` tokens,
+  and no prompt logprobs) to the next step decoded ahead: the first
+  ``PACKED_TOKENS`` of them are prefilled in that step's forward pass, at
+  the cost of their arithmetic rather than of a pass of their own, and the
+  rest in passes of their own after it. Their outcomes come with the next
+  plan's outcome (``StepOutcome.late``), and their rows join the step
+  decoded after that.
   A new request's first token thus comes one step later, and each prompt
   saves the engine a forward pass. (Chunks a plan runs itself are packed
   into one pass too, with its decode when that is still to run:
@@ -55,14 +57,14 @@ from dataclasses import dataclass
 from sluiceway.actors.engine_work import (
     EngineThread,
     LoopLink,
-    PackBudget,
     PrefillOutcome,
     PrefillWork,
     Running,
     StepOutcome,
     StepPlan,
     execute,
-    packed_pass,
+    packable,
+    packed_passes,
     packs,
     pick_first,
 )
@@ -130,11 +132,15 @@ class RunAhead:
 
     def _deferrable(self, plan: StepPlan) -> Callable[[PrefillWork], bool] | None:
         """Which of a served plan's prefills wait for the step decoded ahead:
-        final chunks (whose rows join the step after it), within a pass's budget."""
+        every final chunk that a packed pass takes (whose rows join the step
+        after it). Not only as many as one pass takes: a chunk the plan ran
+        itself kept its reply, and with it the first tokens of the chunks
+        deferred in the step before (``StepOutcome.late``), waiting for the
+        whole of it. At 64 streams arriving at once, the 32nd first token
+        came 250 ms after its prefill had ended."""
         if not (self._packs and plan.greedy and plan.prefills):
             return None
-        budget = PackBudget()
-        return lambda work: work.final and budget.take(work)
+        return lambda work: work.final and packable(work)
 
     def settle(self) -> None:
         """Take back a step decoded ahead, before any call other than :meth:`execute`."""
@@ -196,7 +202,7 @@ class RunAhead:
         (without a decode to join, prefill them alone, as the plan would)."""
         if tokens is None:
             return self._alone(works)
-        decoded, outcomes = packed_pass(self._engine, tokens, works)
+        decoded, outcomes = packed_passes(self._engine, tokens, works)
         if decoded is not None:
             self.packed += len(works)
             self._ahead = _Ahead(tokens, decoded)

@@ -477,6 +477,47 @@ def test_final_chunks_wait_for_the_step_ahead_and_join_the_one_after() -> None:
     assert engine.running[1][-1] == engine.running[2][-1] == first
 
 
+def test_a_served_plan_defers_more_prompts_than_one_pass_takes() -> None:
+    """Every final chunk a pass takes waits for the step decoded ahead, not
+    only the first pass's worth: the plan's reply, with the tokens of the
+    chunks deferred before it, goes out at once. The step ahead then
+    prefills them in passes of at most ``PACKED_TOKENS`` tokens, the first
+    with its decode, as a plan would."""
+    engine, plain = PackingHistoryEngine(), HistoryEngine()
+    runner = RunAhead(engine)
+    for each in (engine, plain):
+        each.prefill(0, [1])
+    plan = StepPlan(decode={0: 2}, greedy=True)
+    outcome = runner.execute(plan)
+    execute(plain, plan)
+    runner.run_ahead(plan, outcome)
+    assert outcome.decode_greedy is not None
+    size = PACKED_TOKENS // 4
+    works = tuple(
+        PrefillWork(request_id=f"r{slot}", slot=slot, tokens=(slot % 7,) * size, final=True)
+        for slot in range(1, 10)
+    )
+    plan = StepPlan(decode={0: int(outcome.decode_greedy[0])}, greedy=True, prefills=works)
+    outcome = runner.execute(plan)
+    execute(plain, plan)
+    assert all(p.deferred for p in outcome.prefills)
+    assert engine.packed_calls == 0, "nothing prefilled before the reply"
+    runner.run_ahead(plan, outcome)
+    # 4 + 4 + 1 prompts: the first four with the decode ahead.
+    assert engine.packed_calls == 2
+    assert runner.packed == 9
+    assert outcome.decode_greedy is not None
+    following = {0: int(outcome.decode_greedy[0])}
+    outcome = runner.execute(StepPlan(decode=following, greedy=True))
+    execute(plain, StepPlan(decode=following, greedy=True))
+    assert (runner.served, runner.taken_back) == (2, 0)
+    assert len(outcome.late) == 9
+    for work, late in zip(works, outcome.late, strict=True):
+        np.testing.assert_array_equal(late.logits, _logits_after(plain.histories[work.slot])[None])
+    runner.settle()
+    assert engine.histories == plain.histories
+
+
 def test_a_failed_packed_pass_runs_its_parts_alone() -> None:
     """A packed pass that fails (say, out of memory) costs nobody their
     request: each chunk is prefilled alone, and the plan decodes itself."""
