@@ -477,13 +477,9 @@ def test_final_chunks_wait_for_the_step_ahead_and_join_the_one_after() -> None:
     assert engine.running[1][-1] == engine.running[2][-1] == first
 
 
-def test_a_served_plan_defers_more_prompts_than_one_pass_takes() -> None:
-    """Every final chunk a pass takes waits for the step decoded ahead, not
-    only the first pass's worth: the plan's reply, with the tokens of the
-    chunks deferred before it, goes out at once. The step ahead then
-    prefills them in passes of at most ``PACKED_TOKENS`` tokens, the first
-    with its decode, as a plan would."""
-    engine, plain = PackingHistoryEngine(), HistoryEngine()
+def _one_row_ahead(engine: HistoryEngine, plain: HistoryEngine) -> tuple[RunAhead, int]:
+    """Row 0 decoded one step on both engines, and on ``engine`` the next
+    step decoded ahead; returns its runner and row 0's next token."""
     runner = RunAhead(engine)
     for each in (engine, plain):
         each.prefill(0, [1])
@@ -492,12 +488,23 @@ def test_a_served_plan_defers_more_prompts_than_one_pass_takes() -> None:
     execute(plain, plan)
     runner.run_ahead(plan, outcome)
     assert outcome.decode_greedy is not None
+    return runner, int(outcome.decode_greedy[0])
+
+
+def test_a_served_plan_defers_more_prompts_than_one_pass_takes() -> None:
+    """Every final chunk a pass takes waits for the step decoded ahead, not
+    only the first pass's worth: the plan's reply, with the tokens of the
+    chunks deferred before it, goes out at once. The step ahead then
+    prefills them in passes of at most ``PACKED_TOKENS`` tokens, the first
+    with its decode, as a plan would."""
+    engine, plain = PackingHistoryEngine(), HistoryEngine()
+    runner, token = _one_row_ahead(engine, plain)
     size = PACKED_TOKENS // 4
     works = tuple(
         PrefillWork(request_id=f"r{slot}", slot=slot, tokens=(slot % 7,) * size, final=True)
         for slot in range(1, 10)
     )
-    plan = StepPlan(decode={0: int(outcome.decode_greedy[0])}, greedy=True, prefills=works)
+    plan = StepPlan(decode={0: token}, greedy=True, prefills=works)
     outcome = runner.execute(plan)
     execute(plain, plan)
     assert all(p.deferred for p in outcome.prefills)
@@ -530,16 +537,9 @@ def test_a_failed_packed_pass_runs_its_parts_alone() -> None:
             raise RuntimeError("out of memory")
 
     engine, plain = Failing(), HistoryEngine()
-    runner = RunAhead(engine)
-    for each in (engine, plain):
-        each.prefill(0, [1])
-    plan = StepPlan(decode={0: 2}, greedy=True)
-    outcome = runner.execute(plan)
-    execute(plain, plan)
-    runner.run_ahead(plan, outcome)
-    assert outcome.decode_greedy is not None
+    runner, token = _one_row_ahead(engine, plain)
     plan = StepPlan(
-        decode={0: int(outcome.decode_greedy[0])},
+        decode={0: token},
         greedy=True,
         prefills=(PrefillWork(request_id="a", slot=1, tokens=(3,), final=True),),
     )
