@@ -4,6 +4,7 @@ chunked prefill, batched decode, forks, finishing and cancellation."""
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -363,3 +364,34 @@ async def test_prompts_packed_into_the_step_ahead_stream_as_usual() -> None:
     assert len(packed) >= 6, "prompts that came while a stream decoded were packed"
     assert engine.running == []
     assert engine.pending == set(), "every prefilled slot was freed or joined"
+
+
+class GatedFakeEngine(FakeEngine):
+    """Holds each prefill until the test lets it go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def prefill(self, slot: int, token_ids: Sequence[int], *, all_logits: bool = False) -> Logits:
+        self.entered.set()
+        assert self.gate.wait(10)
+        return super().prefill(slot, token_ids, all_logits=all_logits)
+
+
+@pytest.mark.anyio
+async def test_a_request_counts_as_running_while_its_first_step_is_under_way() -> None:
+    """The load figures (/metrics, /v1/loads) read a request admitted from
+    idle as running from the step that starts it, not only once that step
+    is back: a chat stream's first chunk goes out before its first token."""
+    engine = GatedFakeEngine()
+
+    async def body(handle: SchedulerHandle) -> None:
+        stream = submit(handle, request("r0", [1, 2, 3]))
+        assert await anyio.to_thread.run_sync(engine.entered.wait, 10)
+        assert handle.running_requests == 1
+        engine.gate.set()
+        assert tokens_of(await collect(stream)) == chain(3, 4)
+
+    await run_with(engine, SchedulerConfig(eos_ids=frozenset({EOS})), body)
