@@ -302,24 +302,23 @@ def _tuning(engine: Engine) -> _Tuning | None:
         return None
     most = engine.info.threads
     logger.info("engine threads: %d or %d per batch size, chosen by timing steps", most - 1, most)
-    return _Tuning(engine, ThreadTuner(most), most, most)
+    return _Tuning(engine, ThreadTuner(most), most)
 
 
 @dataclass(slots=True)
 class _Tuning:
     """Times each round from one plan's arrival to the next and applies the
     tuner's count before each step that decodes only; a step that prefills
-    runs on every thread (``most``). The tuner times decode steps only, and
-    prompt tokens are compute-bound: the 42M model's eager prefill of 16,
-    64, 256 and 512 tokens took 1.37, 1.09, 1.23 and 1.24x as long on one
-    thread of two, and at one stream the tuner had chosen one thread, so
-    every prompt that the compiled prefill does not take (one that reuses a
-    cached prefix) paid that."""
+    runs on every thread (``ThreadTuner.most``). The tuner times decode
+    steps only, and prompt tokens are compute-bound: the 42M model's eager
+    prefill of 16, 64, 256 and 512 tokens took 1.37, 1.09, 1.23 and 1.24x as
+    long on one thread of two, and at one stream the tuner had chosen one
+    thread, so every prompt that the compiled prefill does not take (one
+    that reuses a cached prefix) paid that."""
 
     engine: ThreadedEngine
     tuner: ThreadTuner
     threads: int
-    most: int
     rows: int = 0
     steady: bool = False
     since: float | None = None
@@ -332,7 +331,7 @@ class _Tuning:
         self.since = now
         self.rows = len(plan.decode)
         self.steady = not plan.prefills and not plan.cache_ops
-        wanted = self.most if plan.prefills else self.tuner.threads_for(self.rows)
+        wanted = self.tuner.most if plan.prefills else self.tuner.threads_for(self.rows)
         if wanted and wanted != self.threads:
             self.engine.set_threads(wanted)
             self.threads = wanted

@@ -229,12 +229,13 @@ class Scheduler:
                             if not await self._wait(inbox):
                                 return
                             continue
-                        # A request admitted now counts as running before
-                        # its first step is back: a chat stream's first
-                        # chunk (its role) goes out at once, and a /metrics
-                        # read after it saw no request running while a slow
-                        # first step (270 ms on a loaded host) was under way.
-                        self._publish_counters()
+                        if step[0].prefills:
+                            # A request admitted now counts as running before
+                            # its first step is back: a chat stream's first
+                            # chunk (its role) goes out at once, and a /metrics
+                            # read after it saw no request running while a slow
+                            # first step (270 ms on a loaded host) was under way.
+                            self._publish_counters()
                     plan, running = step
                     outcome = await running.result()
                     batch = core.absorb(plan, outcome)

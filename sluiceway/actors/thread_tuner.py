@@ -125,6 +125,11 @@ class ThreadTuner:
         self._last_rows = 0
 
     @property
+    def most(self) -> int:
+        """The larger of the two counts: every thread the engine has."""
+        return self._most
+
+    @property
     def choices(self) -> dict[int, int]:
         """Each bucket's chosen count, by its smallest batch size."""
         return {1 << (key - 1): bucket.choice for key, bucket in sorted(self._buckets.items())}

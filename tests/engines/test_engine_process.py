@@ -373,7 +373,7 @@ def test_the_tuning_times_each_round_and_applies_the_faster_count() -> None:
 
     engine = _Threaded(2)
     now = [0.0]
-    tuning = _Tuning(engine, ThreadTuner(2), 2, 2, clock=lambda: now[0])
+    tuning = _Tuning(engine, ThreadTuner(2), 2, clock=lambda: now[0])
     plan = StepPlan(decode=dict.fromkeys(range(4), 1))
     for _ in range(200):
         tuning.before(plan)
