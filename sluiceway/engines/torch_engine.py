@@ -92,6 +92,7 @@ from sluiceway.engines.torch_compiled import BUCKETS, CompiledStep
 from sluiceway.engines.torch_compiled import MODES as COMPILE_MODES
 from sluiceway.engines.torch_compiled_prefill import MIN_LENGTH as PREFILL_MIN_LENGTH
 from sluiceway.engines.torch_compiled_prefill import CompiledPrefill
+from sluiceway.engines.torch_compiled_prefill import fits_rows as fits_prefill_rows
 from sluiceway.engines.torch_packed import KEYWORD, Packed, StoreCache, attend
 from sluiceway.engines.torch_prepack import prepack_linears, unsupported
 
@@ -649,9 +650,11 @@ class TransformersEngine:
             self._join_new(tokens)
             order = self._order if tokens else []
             parts = [self._pending_rows(slot) for slot, _ in chunks]
-            logits = self._packed_forward(
-                [tokens[slot] for slot in order], parts, [ids for _, ids in chunks]
-            )
+            logits = None if tokens else self._graph_prefill_rows(parts, [i for _, i in chunks])
+            if logits is None:
+                logits = self._packed_forward(
+                    [tokens[slot] for slot in order], parts, [ids for _, ids in chunks]
+                )
             rows = len(order)
             decoded = DecodeResult(tuple(order), _to_numpy(logits[:rows]))
             return decoded, [_to_numpy(logits[rows + i : rows + i + 1]) for i in range(len(chunks))]
@@ -804,6 +807,30 @@ class TransformersEngine:
         rows.advance(length)
         return logits
 
+    def _graph_prefill_rows(
+        self, parts: Sequence[KVRows], ids: Sequence[Sequence[int]]
+    ) -> torch.Tensor | None:
+        """Fresh rows' chunks through the compiled prefill as one batch, each
+        row's keys and values copied into its own cache; their last logits
+        ``[rows, vocab]``, or None where the graph does not apply."""
+        graph, lengths = self._compiled_prefill, [len(chunk) for chunk in ids]
+        if graph is None or not graph.rows_active or any(rows.window for rows in parts):
+            return None
+        if not fits_prefill_rows(lengths):
+            return None
+        with self._graph_threads():
+            prefilled = graph.rows(ids, self._device)
+        if prefilled is None:
+            return None
+        logits, keys, values = prefilled
+        for row, (rows, length) in enumerate(zip(parts, lengths, strict=True)):
+            rows.reserve(right=length)
+            for layer, (layer_keys, layer_values) in enumerate(zip(keys, values, strict=True)):
+                mine = slice(row, row + 1)
+                rows.write(layer, layer_keys[mine, :, :length], layer_values[mine, :, :length])
+            rows.advance(length)
+        return logits
+
     def _choose_prefill(self, key: str, store: VerdictStore) -> CompiledPrefill | None:
         """``--compile auto``, with the one-row decode step compiled: the
         compiled prefill, kept where a scratch prompt's prefill measures at
@@ -835,6 +862,10 @@ class TransformersEngine:
                 store.save(key, [verdict])
         self._compiled_prefill = None
         kept = graph.active and verdict.keep
+        if kept:  # the batch graph too, not on a burst of requests
+            prompts = list(scratch_prompts(2, self._info.vocab_size, length=PREFILL_SCRATCH))
+            with torch.inference_mode(), self._graph_threads():
+                graph.rows(prompts, self._device)
         logger.info(
             "--compile auto: %s (compiled ÷ eager %.2fx for %d tokens, %s)",
             "compiled prefill of new prompts" if kept else "eager prefill",

@@ -22,7 +22,13 @@ from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.torch_compiled import CompiledStep
 from sluiceway.engines.torch_compiled_prefill import CompiledPrefill
 from sluiceway.engines.torch_engine import PREFILL_STEP, TransformersEngine
-from tests.engines.helpers import assert_same_trace, greedy_alone, run_schedule
+from tests.engines.helpers import (
+    Trace,
+    assert_same_trace,
+    greedy_alone,
+    log_softmax,
+    run_schedule,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -157,3 +163,101 @@ def test_inductors_graph_prefills_as_the_eager_forward(
         assert_same_trace(got, greedy_alone(eager, tokens, 4), f"{length} tokens")
     assert graph.active, graph.failure
     assert graph.runs == before + 3
+
+
+def prefilled_together(
+    engine: TransformersEngine, prompts: dict[int, list[int]], steps: int
+) -> dict[int, Trace]:
+    """The prompts prefilled in one pass with no decode (as the later passes
+    of a step that prefills several are), then decoded together greedily."""
+    traces = {slot: Trace() for slot in prompts}
+    nothing, lasts = engine.decode_prefilling({}, list(prompts.items()))
+    assert nothing.slots == ()
+    tokens = {slot: traces[slot].take(last[0]) for slot, last in zip(prompts, lasts, strict=True)}
+    for _ in range(steps - 1):
+        result = engine.decode(tokens)
+        rows = zip(result.slots, result.logits, strict=True)
+        tokens = {slot: traces[slot].take(row) for slot, row in rows}
+    for slot in prompts:
+        engine.free(slot)
+    return traces
+
+
+def assert_same_traces(got: dict[int, Trace], want: dict[int, Trace]) -> None:
+    for slot, trace in got.items():
+        assert_same_trace(trace, want[slot], f"slot {slot}")
+
+
+def test_new_prompts_prefilled_together_go_through_the_batch_graph(
+    traced: TransformersEngine, eager: TransformersEngine
+) -> None:
+    """Rows of different lengths, padded on the right to the longest: each
+    takes its logits at its own last position, and its cache holds only its
+    own positions (its decode then matches the eager engine's packed pass)."""
+    prompts = {0: prompt(13, 20), 1: prompt(14, 17), 2: prompt(15, 19)}
+    got = prefilled_together(traced, prompts, 4)
+    assert _runs(traced) == 3
+    assert_same_traces(got, prefilled_together(eager, prompts, 4))
+    assert_same_traces(got, {slot: greedy_alone(eager, ids, 4) for slot, ids in prompts.items()})
+
+
+def test_what_the_batch_graph_does_not_fit_is_packed_eagerly(
+    traced: TransformersEngine, eager: TransformersEngine
+) -> None:
+    cases = [
+        {0: prompt(16, 40), 1: prompt(17, 8)},  # padding past a quarter of the tokens
+        {0: prompt(18, 12), 1: [9]},  # one token: a size torch specialises
+    ]
+    for prompts in cases:
+        assert_same_traces(
+            prefilled_together(traced, prompts, 3), prefilled_together(eager, prompts, 3)
+        )
+    # A row with a past: a prefix already in its cache.
+    past, rest = prompt(19, 10), prompt(20, 10)
+    traced.prefill(0, past)
+    runs = _runs(traced)
+    _, lasts = traced.decode_prefilling({}, [(0, rest), (1, prompt(21, 10))])
+    assert _runs(traced) == runs
+    want = eager.prefill(0, past + rest)[-1]
+    assert float(np.max(np.abs(log_softmax(lasts[0][0]) - log_softmax(want)))) < 1e-4
+    for slot in (0, 1):
+        traced.free(slot)
+    eager.free(0)
+
+
+def test_a_model_without_per_row_positions_keeps_the_one_row_graph(
+    traced: TransformersEngine, eager: TransformersEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    graph = traced._compiled_prefill
+    assert graph is not None
+
+    def every_position(ids: torch.Tensor, last: torch.Tensor) -> Any:
+        return graph._compiled(ids[:1])  # one row's logits, as such a model returns
+
+    monkeypatch.setattr(graph, "_compiled_rows", every_position)
+    prompts = {0: prompt(22, 11), 1: prompt(23, 12)}
+    assert_same_traces(
+        prefilled_together(traced, prompts, 3), prefilled_together(eager, prompts, 3)
+    )
+    assert not graph.rows_active
+    assert graph.active
+    assert "per-row logits" in (graph.rows_failure or "")
+    runs = _runs(traced)
+    greedy_alone(traced, prompt(24, 9), 2)
+    assert _runs(traced) == runs + 1
+
+
+def test_inductors_batch_graph_prefills_as_the_eager_forward(
+    compiled_transformers: TransformersEngine, eager: TransformersEngine
+) -> None:
+    """The batch graph through Inductor (float32), at two batch sizes and
+    several lengths: one graph, rows that then decode as the eager ones."""
+    graph = compiled_transformers._compiled_prefill
+    assert graph is not None
+    before = graph.runs
+    for seed, lengths in ((25, (30, 33, 36)), (26, (70, 64))):
+        prompts = {slot: prompt(seed + slot, n) for slot, n in enumerate(lengths)}
+        got = prefilled_together(compiled_transformers, prompts, 4)
+        assert_same_traces(got, prefilled_together(eager, prompts, 4))
+    assert graph.rows_active, graph.rows_failure
+    assert graph.runs == before + 5
