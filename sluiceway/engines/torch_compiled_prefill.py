@@ -75,8 +75,9 @@ class CompiledPrefill:
         def prefill(ids: torch.Tensor) -> Prefilled:
             return forward(ids, 1)
 
-        def prefill_rows(ids: torch.Tensor, last: torch.Tensor) -> Prefilled:
-            return forward(ids, last)
+        def prefill_rows(ids: torch.Tensor, keep: torch.Tensor, which: torch.Tensor) -> Prefilled:
+            logits, keys, values = forward(ids, keep)
+            return logits[torch.arange(ids.shape[0]), which], keys, values
 
         self._compiled = torch.compile(prefill, backend=backend, dynamic=True)
         self._compiled_rows = torch.compile(prefill_rows, backend=backend, dynamic=True)
@@ -115,18 +116,23 @@ class CompiledPrefill:
         longest = max(len(chunk) for chunk in ids)
         # Any id pads: no real position attends to the padding after it.
         padded = [[*chunk, *[0] * (longest - len(chunk))] for chunk in ids]
-        last = [[len(chunk) - 1] for chunk in ids]
+        # The logits of every row at each distinct last position (a few: a
+        # batch is cut to a quarter of padding), of which each row takes its
+        # own. One position per row would be cheaper, but transformers'
+        # per-row form (a 2D position tensor) pins the batch size in the graph.
+        keep = sorted({len(chunk) - 1 for chunk in ids})
+        which = [keep.index(len(chunk) - 1) for chunk in ids]
         try:
             logits, keys, values = self._compiled_rows(
-                torch.tensor(padded, device=device), torch.tensor(last, device=device)
+                torch.tensor(padded, device=device),
+                torch.tensor(keep, device=device),
+                torch.tensor(which, device=device),
             )
-            if logits.shape[:2] != (len(ids), 1):  # the model took no per-row positions
-                raise ValueError(f"per-row logits of shape {tuple(logits.shape)}")
         except Exception as error:
             self.rows_failure = _give_up(error)
             return None
         self.runs += len(ids)
-        return logits[:, 0], keys, values
+        return logits, keys, values
 
 
 def _give_up(error: Exception) -> str:

@@ -862,10 +862,8 @@ class TransformersEngine:
                 store.save(key, [verdict])
         self._compiled_prefill = None
         kept = graph.active and verdict.keep
-        if kept:  # the batch graph too, not on a burst of requests
-            prompts = list(scratch_prompts(2, self._info.vocab_size, length=PREFILL_SCRATCH))
-            with torch.inference_mode(), self._graph_threads():
-                graph.rows(prompts, self._device)
+        if kept:
+            self._warm_prefill_rows(graph)
         logger.info(
             "--compile auto: %s (compiled ÷ eager %.2fx for %d tokens, %s)",
             "compiled prefill of new prompts" if kept else "eager prefill",
@@ -874,6 +872,16 @@ class TransformersEngine:
             how,
         )
         return graph if kept else None
+
+    def _warm_prefill_rows(self, graph: CompiledPrefill) -> None:
+        """Compile the batch graph now, not on a burst of requests: its two
+        forms, rows of one length and of several (a count of one distinct
+        length is a size torch specialises). Three rows, two lengths: sizes
+        that differ, so that Dynamo ties no two of them together."""
+        prompts = list(scratch_prompts(3, self._info.vocab_size, length=PREFILL_SCRATCH))
+        with torch.inference_mode(), self._graph_threads():
+            graph.rows(prompts, self._device)
+            graph.rows([prompts[0][:-4], *prompts[1:]], self._device)
 
     def _choose_compiled(
         self, step: CompiledStep, key: str, store: VerdictStore

@@ -225,23 +225,25 @@ def test_what_the_batch_graph_does_not_fit_is_packed_eagerly(
     eager.free(0)
 
 
-def test_a_model_without_per_row_positions_keeps_the_one_row_graph(
+def test_a_batch_graph_that_fails_is_given_up_alone(
     traced: TransformersEngine, eager: TransformersEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A model whose forward takes no tensor of logit positions loses the
+    batch graph; the one-row graph goes on."""
     graph = traced._compiled_prefill
     assert graph is not None
 
-    def every_position(ids: torch.Tensor, last: torch.Tensor) -> Any:
-        return graph._compiled(ids[:1])  # one row's logits, as such a model returns
+    def failing(*inputs: Any) -> Any:
+        raise TypeError("logits_to_keep must be an int")
 
-    monkeypatch.setattr(graph, "_compiled_rows", every_position)
+    monkeypatch.setattr(graph, "_compiled_rows", failing)
     prompts = {0: prompt(22, 11), 1: prompt(23, 12)}
     assert_same_traces(
         prefilled_together(traced, prompts, 3), prefilled_together(eager, prompts, 3)
     )
     assert not graph.rows_active
     assert graph.active
-    assert "per-row logits" in (graph.rows_failure or "")
+    assert "logits_to_keep must be an int" in (graph.rows_failure or "")
     runs = _runs(traced)
     greedy_alone(traced, prompt(24, 9), 2)
     assert _runs(traced) == runs + 1
@@ -250,14 +252,15 @@ def test_a_model_without_per_row_positions_keeps_the_one_row_graph(
 def test_inductors_batch_graph_prefills_as_the_eager_forward(
     compiled_transformers: TransformersEngine, eager: TransformersEngine
 ) -> None:
-    """The batch graph through Inductor (float32), at two batch sizes and
-    several lengths: one graph, rows that then decode as the eager ones."""
+    """The batch graph through Inductor (float32), at three batch sizes,
+    rows of one length and of several: rows that then decode as the eager
+    ones."""
     graph = compiled_transformers._compiled_prefill
     assert graph is not None
     before = graph.runs
-    for seed, lengths in ((25, (30, 33, 36)), (26, (70, 64))):
+    for seed, lengths in ((25, (30, 33, 36)), (26, (70, 64)), (27, (9, 9, 9, 9))):
         prompts = {slot: prompt(seed + slot, n) for slot, n in enumerate(lengths)}
         got = prefilled_together(compiled_transformers, prompts, 4)
         assert_same_traces(got, prefilled_together(eager, prompts, 4))
     assert graph.rows_active, graph.rows_failure
-    assert graph.runs == before + 5
+    assert graph.runs == before + 9

@@ -304,7 +304,10 @@ def test_auto_keeps_a_faster_step_and_compiles_its_buckets_before_serving(
     assert again.compiled_step.buckets == (1, 2)
     assert all(count == 1 for count in again.compiled_step.steps.values())
     assert again._compiled_prefill is not None
-    assert again._compiled_prefill.runs == 1  # compiled at start, from the stored verdict
+    # Compiled at start, from the stored verdict: one row, and the batch
+    # graph's two forms (three rows of one length, then of two).
+    assert again._compiled_prefill.runs == 1 + 3 + 3
+    assert again._compiled_prefill.rows_active
     again.close()
 
 
