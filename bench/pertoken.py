@@ -44,14 +44,35 @@ Stages:
 Each wrapper costs two clock reads (about 0.3 µs each on this host: printed
 as ``clock read``); with ~15 wrapped calls per token that is a few µs per
 token, charged to the stages.
+
+``--process-cpu``: the API process's whole CPU per streamed token, nothing
+wrapped (issues N and P)::
+
+    .venv/bin/python bench/pertoken.py --process-cpu [--rounds 5]
+        [--concurrency 1 16] [--api completions chat] [--engine transformers|vllm]
+        [--python .venv-vllm/bin/python] [--ab OLD_CHECKOUT] [--vllm-peer]
+
+Each side is a plain ``sluiceway serve`` on the embedded default model (the
+engine where the server puts it by default: the transformers engine in its
+child process), or vLLM's own OpenAI server (``--vllm-peer``). Streaming
+requests of ``--max-tokens`` with ``ignore_eos`` come from ``loadgen``'s
+client (a closed loop of ``concurrency`` clients); the CPU is the
+``utime + stime`` of the server's process from ``/proc/PID/stat`` before and
+after the level (its threads, not the engine's child process), over the
+tokens the replies report. ``--ab DIR`` adds a side that runs the code of
+another checkout (a ``git worktree`` of an older commit, on ``PYTHONPATH``);
+the sides take turns within each round, in alternating order, and the
+medians of the rounds are reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,6 +80,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -386,6 +408,143 @@ def wrapper_cost() -> float:
     return costs[1] - costs[0]
 
 
+# --- --process-cpu: the API process's CPU per streamed token ----------------
+
+
+@dataclass(frozen=True, slots=True)
+class Side:
+    """One server under measurement: how to start it."""
+
+    label: str
+    command: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+
+def process_ticks(pid: int) -> int:
+    """``utime + stime`` of one process (all its threads, no children), in ticks."""
+    with open(f"/proc/{pid}/stat") as stat:
+        rest = stat.read().rsplit(")", 1)[1].split()
+    return int(rest[11]) + int(rest[12])  # fields 14 and 15
+
+
+def sides(args: argparse.Namespace) -> list[Side]:
+    python = str(args.python)
+    model: tuple[str, ...] = ()
+    if args.engine == "vllm" or args.vllm_peer:
+        from sluiceway.engines.default_model import default_model_dir
+
+        model = ("--model", str(default_model_dir()))
+    ours = (
+        *(python, "-m", "sluiceway", "serve", *model, "--engine", args.engine),
+        *("--max-num-seqs", str(max(args.concurrency)), "--log-level", "warning"),
+        *args.server_args.split(),
+    )
+    vllm_env = (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
+    env = vllm_env if args.engine == "vllm" else ()
+    found = [Side("this checkout", ours, (("PYTHONPATH", str(ROOT)), *env))]
+    if args.ab is not None:
+        found.append(Side(f"{args.ab}", ours, (("PYTHONPATH", str(args.ab.resolve())), *env)))
+    if args.vllm_peer:
+        peer = (
+            *(python, "-m", "vllm.entrypoints.openai.api_server", *model),
+            *("--max-num-seqs", str(max(args.concurrency))),
+        )
+        found.append(Side("vLLM's server", peer, vllm_env))
+    return found
+
+
+@dataclass(slots=True)
+class Running:
+    side: Side
+    process: subprocess.Popen[bytes]
+    port: int
+    model: str = ""
+    #: (api, concurrency) -> ms of CPU per token, one per round.
+    figures: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    rates: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+
+
+def start(side: Side, port: int) -> Running:
+    log = open(Path(tempfile.gettempdir()) / f"pertoken-cpu-{port}.log", "wb")  # noqa: SIM115
+    command = [*side.command, "--host", "127.0.0.1", "--port", str(port)]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **dict(side.env)}
+    # The working directory is not this checkout: ``python -m`` puts it first on sys.path.
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir()
+    )
+    log.close()
+    return Running(side, process, port)
+
+
+def measure_cpu(running: Running, api: str, concurrency: int, args: argparse.Namespace) -> None:
+    from loadgen import Target, run_level
+
+    target = Target(f"http://127.0.0.1:{running.port}", running.model, api=api)
+    prompts = (f"request {i}: tell me about rivers and the sea. " * 4 for i in range(10**9))
+    requests = max(1, args.tokens_per_level // (concurrency * args.max_tokens))
+    asyncio.run(
+        run_level(target, prompts, concurrency=concurrency, requests_per_client=1, max_tokens=16)
+    )
+    before = process_ticks(running.process.pid)
+    level = asyncio.run(
+        run_level(
+            target,
+            prompts,
+            concurrency=concurrency,
+            requests_per_client=requests,
+            max_tokens=args.max_tokens,
+        )
+    )
+    ticks = process_ticks(running.process.pid) - before
+    if level.errors:
+        raise RuntimeError(f"{running.side.label}: {level.first_errors()}")
+    ms = ticks / os.sysconf("SC_CLK_TCK") * 1e3 / level.tokens
+    running.figures.setdefault((api, concurrency), []).append(ms)
+    running.rates.setdefault((api, concurrency), []).append(level.throughput)
+    print(
+        f"  {running.side.label:>20} {api:>11} c={concurrency:<3} {ms:.3f} ms CPU/token "
+        f"({level.tokens} tokens, {level.throughput:.0f} tok/s)",
+        flush=True,
+    )
+
+
+def process_cpu(args: argparse.Namespace) -> None:
+    from loadgen import wait_healthy
+
+    running = [start(side, args.port + i) for i, side in enumerate(sides(args))]
+    try:
+        for server in running:
+            alive = server.process.poll
+            url = f"http://127.0.0.1:{server.port}"
+            asyncio.run(wait_healthy(url, 1200, lambda alive=alive: alive() is None))
+            server.model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        for round_ in range(args.rounds):
+            print(f"round {round_ + 1}", flush=True)
+            for api in args.api:
+                for concurrency in args.concurrency:
+                    order = running if round_ % 2 == 0 else running[::-1]
+                    for server in order:
+                        measure_cpu(server, api, concurrency, args)
+    finally:
+        for server in running:
+            server.process.send_signal(signal.SIGINT)
+        for server in running:
+            try:
+                server.process.wait(30)
+            except subprocess.TimeoutExpired:
+                server.process.kill()
+                server.process.wait()
+    print("\n| server | api | c | ms CPU/token, median | rounds | tok/s, median |")
+    print("|---|---|--:|--:|---|--:|")
+    for server in running:
+        for (api, concurrency), values in server.figures.items():
+            rates = server.rates[(api, concurrency)]
+            print(
+                f"| {server.side.label} | {api} | {concurrency} | {statistics.median(values):.3f} "
+                f"| {' '.join(f'{v:.3f}' for v in values)} | {statistics.median(rates):.0f} |"
+            )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
@@ -402,11 +561,36 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="also run the event loop thread under cProfile (CPU clock) and write "
         "PREFIX.N.pstats per level (slower: use for the breakdown, not the figures)",
     )
+    parser.add_argument(
+        "--process-cpu",
+        action="store_true",
+        help="measure the API process's whole CPU per streamed token (see the docstring)",
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="--process-cpu: rounds")
+    parser.add_argument(
+        "--tokens-per-level", type=int, default=4096, help="--process-cpu: tokens per measurement"
+    )
+    parser.add_argument("--engine", default="transformers", help="--process-cpu: our engine")
+    parser.add_argument(
+        "--python",
+        type=Path,
+        default=Path(sys.executable),
+        help="--process-cpu: the servers' python",
+    )
+    parser.add_argument(
+        "--ab", type=Path, help="--process-cpu: also a checkout of other code (a git worktree)"
+    )
+    parser.add_argument(
+        "--vllm-peer", action="store_true", help="--process-cpu: also vLLM's own server"
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("serve_args", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
         sys.exit(serve(args.serve, args.serve_args))
+    if args.process_cpu:
+        process_cpu(args)
+        return
     snapshot = Path(tempfile.gettempdir()) / f"pertoken-{os.getpid()}.json"
     url = f"http://127.0.0.1:{args.port}"
     command = [
