@@ -216,11 +216,12 @@ class ChoiceOutput:
         return ids
 
     def _delta(self, chunk: Chunk, token_ids: tuple[int, ...] = ()) -> ChoiceDelta:
-        calls = tuple(
-            ToolCallDelta(index=f.index, arguments=f.arguments, name=f.name, call_id=f.call_id)
-            for f in chunk.tool_calls
-        )
-        if calls:
+        calls: tuple[ToolCallDelta, ...] = ()
+        if chunk.tool_calls:
+            calls = tuple(
+                ToolCallDelta(index=f.index, arguments=f.arguments, name=f.name, call_id=f.call_id)
+                for f in chunk.tool_calls
+            )
             self.called_tools = True
         return ChoiceDelta(
             index=self.index,

@@ -309,13 +309,19 @@ async def _relay(
                 flowing = any(isinstance(event, Deltas) for event in ready)
         except anyio.EndOfStream:
             return
-        _note(record, ready)
-        frame = b"".join(encoder.encode(event) for event in ready)
+        frame = _frames(ready, encoder, record)
         while more := events.waiting():  # what is already waiting goes in the same write
-            _note(record, more)
-            frame += b"".join(encoder.encode(event) for event in more)
+            frame += _frames(more, encoder, record)
         if frame:
             await writer.body(frame)
+
+
+def _frames(events: list[EmitterEvent], encoder: StreamEncoder, record: RequestRecord) -> bytes:
+    """The frames of events going out, noted in the request's record."""
+    _note(record, events)
+    if len(events) == 1:  # one step's deltas: nearly every wake of a stream
+        return encoder.encode(events[0])
+    return b"".join([encoder.encode(event) for event in events])
 
 
 async def collect_reply(

@@ -166,7 +166,10 @@ class ChatStreamEncoder:
 
     def encode(self, event: EmitterEvent) -> bytes:
         if isinstance(event, Deltas):
-            return b"".join(self._delta_frame(delta) for delta in event.deltas)
+            deltas = event.deltas
+            if len(deltas) == 1:  # one choice's token: most frames of a stream
+                return self._delta_frame(deltas[0])
+            return b"".join([self._delta_frame(delta) for delta in deltas])
         if isinstance(event, Completed):
             tail = b""
             if self._config.include_usage:

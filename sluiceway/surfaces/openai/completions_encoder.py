@@ -327,7 +327,10 @@ class CompletionStreamEncoder:
 
     def encode(self, event: EmitterEvent) -> bytes:
         if isinstance(event, Deltas):
-            return b"".join(self._delta_frame(delta) for delta in event.deltas)
+            deltas = event.deltas
+            if len(deltas) == 1:  # one choice's token: most frames of a stream
+                return self._delta_frame(deltas[0])
+            return b"".join([self._delta_frame(delta) for delta in deltas])
         frames = b"".join(self._chunk(f) for f in self._fragments.fragments(event))
         if isinstance(event, Failed):
             return frames + error_frame(event.message) + DONE
