@@ -25,7 +25,8 @@ import pytest
 
 from tests.e2e.conftest import ON_VLLM, default_args
 from tests.e2e.harness import RunningServer, ServerPool
-from tests.e2e.ops import Stream, chat, child_running, wait_for
+from tests.e2e.ops import SilentReader, Stream, chat, child_running, load, wait_for
+from tests.e2e.test_operations import dechunk, texts_of
 
 pytestmark = [
     pytest.mark.e2e,
@@ -131,6 +132,23 @@ def test_a_stop_string_aborts_the_vllm_request(vllm_server: RunningServer) -> No
     assert choice["finish_reason"] == "stop"
     assert choice["message"]["content"] == text[: text.index(stop)]
     wait_for(lambda: aborts(vllm_server) > before, 10, "vLLM's abort")
+
+
+def test_a_stalled_reader_pauses_and_its_stream_resumes_whole(vllm_server: RunningServer) -> None:
+    """A reader that stops reading: once its mailbox fills, its request stops
+    taking vLLM's outputs (vLLM merges them meanwhile) and counts as paused;
+    read again, its stream carries every token, in order: the greedy text of
+    the same request unpaused."""
+    body = chat(vllm_server, max_tokens=300, ignore_eos=True, logprobs=True, top_logprobs=20)
+    reader = SilentReader(vllm_server, body)
+    try:
+        wait_for(lambda: load(vllm_server)["paused_requests"] == 1, 120, "the request to pause")
+        got = texts_of(dechunk(reader.read_all(120)))
+    finally:
+        reader.close()
+    whole = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
+    reply = httpx.post(vllm_server.api_url + "/chat/completions", json=whole, timeout=120).json()
+    assert got == {0: reply["choices"][0]["message"]["content"]}
 
 
 def test_its_prefix_cache_shows_as_cached_tokens(vllm_server: RunningServer) -> None:
