@@ -42,6 +42,22 @@ directory, so the compile times are cold ones:
     nice -n 5 .venv/bin/python bench/bare.py --engine transformers --model DIR \
         --compare-compile [--batches 1 4 16] [--dtype float32]
 
+With ``--compare-engine`` (mlx) it measures, in this one process, the bare
+mlx loop above (``bare``) and our ``MlxEngine``'s chained decode step
+(``start_decode_chained``, argmax in NumPy as the server's sampler takes it)
+at each batch size, interleaved within each repeat: ``engine`` on prompts of
+``--prompt`` tokens as the bare loop's, ``engine-ragged`` on prompts spread
+evenly over half to one and a half times that (the same mean; its rows
+attend over a longer window than the bare loop's). ``--before REV`` adds
+both again for the engine as of git revision ``REV``
+(``before``/``before-ragged``). It prints one JSON object per loop and batch
+size, then the ratios of each loop's tokens/s to the bare loop's, measured in
+this run:
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
+        OPENBLAS_THREAD_TIMEOUT=8 .venv/bin/python bench/bare.py --engine mlx \
+        --model DIR --compare-engine [--before REV] [--batches 1 16 64]
+
 With ``--stdin`` it then stays up and measures each batch size it reads from
 stdin (one repeat each), so that a caller can measure the bare engine right
 before and after measuring a server on the same host.
@@ -53,23 +69,31 @@ threads in one process slow each other down badly on a small machine.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 Step = Callable[[], None]
 
 
-def rows(batch: int, prompt: int, vocab: int) -> list[list[int]]:
+def rows(batch: int, prompt: int, vocab: int, *, ragged: bool = False) -> list[list[int]]:
+    """``batch`` random prompts of ``prompt`` tokens, or (``ragged``) of
+    lengths spread evenly over ``prompt // 2 .. prompt * 3 // 2``."""
     rng = np.random.default_rng(batch)
-    return [[int(t) for t in rng.integers(0, min(vocab, 500), prompt)] for _ in range(batch)]
+    lengths = [prompt] * batch
+    if ragged and batch > 1:
+        lengths = [int(n) for n in np.linspace(prompt // 2, prompt * 3 // 2, batch).round()]
+    return [[int(t) for t in rng.integers(0, min(vocab, 500), n)] for n in lengths]
 
 
 def torch_loop(model_dir: str, sample: bool, dtype: str = "auto") -> Callable[[int, int], Step]:
@@ -156,24 +180,7 @@ def compare_compile(args: argparse.Namespace) -> None:
     startups["bare"]["load"] = time.perf_counter() - started
     for mode, name in (("off", "eager"), ("on", "compiled")):
         loops[name] = engine_loop(args.model, mode, args.dtype, startups[name])
-    for loop in loops.values():  # warm-up, as in main(); batch 1's graph compiles later
-        loop(1, 8)
-    best: dict[tuple[str, int], float] = {}
-    for repeat in range(args.repeats):
-        for batch in args.batches:
-            for name, start in loops.items():
-                step = start(batch, args.prompt)
-                first = time.perf_counter()
-                step()  # not timed: for ``compiled``, the bucket's graph compiles on its first step
-                if repeat == 0:
-                    startups[name][f"first_step_{batch}"] = time.perf_counter() - first
-                began = time.perf_counter()
-                for _ in range(args.tokens):
-                    step()
-                mean = (time.perf_counter() - began) / args.tokens
-                best[name, batch] = min(best.get((name, batch), float("inf")), mean)
-    for (name, batch), mean in best.items():
-        print(json.dumps({"loop": name, "batch": batch, "tokens_per_s": batch / mean}))
+    best = time_interleaved(loops, args, startups)
     ratios = {
         str(batch): {
             "compiled/eager": best["eager", batch] / best["compiled", batch],
@@ -197,6 +204,110 @@ def compare_compile(args: argparse.Namespace) -> None:
     print(json.dumps(summary, indent=1))
     if not args.warm_cache:
         shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+
+
+def time_interleaved(
+    loops: Mapping[str, Callable[[int, int], Step]],
+    args: argparse.Namespace,
+    startups: dict[str, dict[str, float]],
+) -> dict[tuple[str, int], float]:
+    """Each loop's fastest mean step at each batch size, the loops taking
+    turns within each repeat; prints one JSON object per loop and batch size.
+    ``startups[name]`` gets each loop's first step at each batch size."""
+    for loop in loops.values():  # warm-up, as in main(); batch 1's graph compiles later
+        loop(1, 8)
+    best: dict[tuple[str, int], float] = {}
+    for repeat in range(args.repeats):
+        for batch in args.batches:
+            for name, start in loops.items():
+                step = start(batch, args.prompt)
+                first = time.perf_counter()
+                step()  # not timed: for ``compiled``, the bucket's graph compiles on its first step
+                if repeat == 0:
+                    startups.setdefault(name, {})[f"first_step_{batch}"] = (
+                        time.perf_counter() - first
+                    )
+                began = time.perf_counter()
+                for _ in range(args.tokens):
+                    step()
+                mean = (time.perf_counter() - began) / args.tokens
+                best[name, batch] = min(best.get((name, batch), float("inf")), mean)
+    for (name, batch), mean in best.items():
+        print(json.dumps({"loop": name, "batch": batch, "tokens_per_s": batch / mean}))
+    return best
+
+
+def mlx_engine_loop(engine: Any, slots: list[int], *, ragged: bool) -> Callable[[int, int], Step]:
+    """An ``MlxEngine``'s chained decode step, greedy, its argmax taken in
+    NumPy. ``slots``: the engine's rows in use, whichever loop runs them."""
+    vocab = engine.info.vocab_size
+
+    def start(batch: int, prompt: int) -> Step:
+        for slot in slots:  # whatever the last measurement on this engine left
+            engine.free(slot)
+        prompts = rows(batch, prompt, vocab, ragged=ragged)
+        tokens = {
+            slot: int(np.argmax(engine.prefill(slot, ids)[-1])) for slot, ids in enumerate(prompts)
+        }
+        slots[:] = tokens
+
+        def step() -> None:
+            result = engine.start_decode_chained(tokens)()
+            for slot, token in zip(result.slots, result.logits.argmax(axis=1), strict=True):
+                tokens[slot] = int(token)
+
+        return step
+
+    return start
+
+
+def engine_at(revision: str) -> Any:
+    """``MlxEngine`` as ``sluiceway/engines/mlx_engine.py`` was at git ``revision``."""
+    source = subprocess.run(
+        ["git", "show", f"{revision}:sluiceway/engines/mlx_engine.py"],
+        cwd=Path(__file__).resolve().parent,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    path = Path(tempfile.mkdtemp(prefix="mlx-engine-")) / "mlx_engine.py"
+    path.write_text(source)
+    name = f"mlx_engine_at_{revision}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.MlxEngine
+
+
+def compare_engine(args: argparse.Namespace) -> None:
+    """``--compare-engine``: the bare mlx loop and our engine, interleaved."""
+    from sluiceway.engines.loader import resolve_model
+    from sluiceway.engines.mlx_engine import MlxEngine
+
+    source = resolve_model(args.model)
+    engines = {"engine": MlxEngine(source)}
+    if args.before:
+        engines["before"] = engine_at(args.before)(source)
+    loops = {"bare": mlx_loop(args.model, sample=False)}
+    for name, engine in engines.items():
+        slots: list[int] = []
+        loops[name] = mlx_engine_loop(engine, slots, ragged=False)
+        loops[f"{name}-ragged"] = mlx_engine_loop(engine, slots, ragged=True)
+    load_before = os.getloadavg()
+    best = time_interleaved(loops, args, {})
+    ratios = {
+        str(batch): {
+            f"{name}/bare": round(best["bare", batch] / best[name, batch], 4)
+            for name in loops
+            if name != "bare"
+        }
+        for batch in args.batches
+    }
+    summary = {"ratios": ratios, "load_before": load_before, "load_after": os.getloadavg()}
+    print(json.dumps(summary, indent=1))
 
 
 def torch_threads() -> int:
@@ -264,6 +375,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="transformers: the bare loop, our eager step and our compiled step, side by side",
     )
     parser.add_argument(
+        "--compare-engine",
+        action="store_true",
+        help="mlx: the bare loop and our engine's decode step, side by side",
+    )
+    parser.add_argument(
+        "--before",
+        metavar="REV",
+        help="with --compare-engine: also the engine as of this git revision",
+    )
+    parser.add_argument(
         "--warm-cache",
         action="store_true",
         help="with --compare-compile: Inductor's usual cache, not a fresh one (warm start)",
@@ -273,6 +394,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.engine != "transformers":
             parser.error("--compare-compile measures the transformers engine")
         compare_compile(args)
+        return
+    if args.compare_engine:
+        if args.engine != "mlx":
+            parser.error("--compare-engine measures the mlx engine")
+        compare_engine(args)
         return
     if args.engine == "transformers":
         start = torch_loop(args.model, args.sample, args.dtype)

@@ -11,17 +11,20 @@ import pytest
 pytest.importorskip("mlx.core")
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models import cache as typed_cache
 
 from sluiceway.engines.mlx_engine import TIME_STEP, _attention_layers, _Rows
+
+#: mlx-lm's caches, untyped there.
+mlx_cache: Any = typed_cache
 
 HEADS, DIM = 2, 3
 
 
-def _prefilled(length: int, mark: float) -> list[KVCache]:
+def _prefilled(length: int, mark: float) -> list[Any]:
     """One layer's ``KVCache`` holding ``length`` positions, position ``p``'s
     keys all ``mark + p`` and its values their negatives."""
-    cache = KVCache()
+    cache = mlx_cache.KVCache()
     keys = mx.broadcast_to(mark + mx.arange(length)[None, None, :, None], (1, HEADS, length, DIM))
     cache.update_and_fetch(keys.astype(mx.float32), -keys.astype(mx.float32))
     return [cache]
@@ -123,7 +126,7 @@ class _WindowedModel:
     """A model whose layers keep a sliding window (as mlx-lm's Gemma 3's do)."""
 
     def make_cache(self) -> list[Any]:
-        return [KVCache(), RotatingKVCache(max_size=8)]
+        return [mlx_cache.KVCache(), mlx_cache.RotatingKVCache(max_size=8)]
 
 
 def test_a_model_without_plain_attention_caches_is_refused() -> None:
