@@ -439,7 +439,9 @@ def sides(args: argparse.Namespace) -> list[Side]:
         *("--max-num-seqs", str(max(args.concurrency)), "--log-level", "warning"),
         *args.server_args.split(),
     )
-    vllm_env = (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
+    from peers import VLLM_ENVIRONMENT
+
+    vllm_env = tuple(VLLM_ENVIRONMENT.items())
     env = vllm_env if args.engine == "vllm" else ()
     found = [Side("this checkout", ours, (("PYTHONPATH", str(ROOT)), *env))]
     if args.ab is not None:
