@@ -801,10 +801,7 @@ class TransformersEngine:
         if prefilled is None:
             return None
         logits, keys, values = prefilled
-        rows.reserve(right=length)
-        for layer, (layer_keys, layer_values) in enumerate(zip(keys, values, strict=True)):
-            rows.write(layer, layer_keys, layer_values)
-        rows.advance(length)
+        _take_prefilled(rows, keys, values, 0, length)
         return logits
 
     def _graph_prefill_rows(
@@ -824,11 +821,7 @@ class TransformersEngine:
             return None
         logits, keys, values = prefilled
         for row, (rows, length) in enumerate(zip(parts, lengths, strict=True)):
-            rows.reserve(right=length)
-            for layer, (layer_keys, layer_values) in enumerate(zip(keys, values, strict=True)):
-                mine = slice(row, row + 1)
-                rows.write(layer, layer_keys[mine, :, :length], layer_values[mine, :, :length])
-            rows.advance(length)
+            _take_prefilled(rows, keys, values, row, length)
         return logits
 
     def _choose_prefill(self, key: str, store: VerdictStore) -> CompiledPrefill | None:
@@ -1142,3 +1135,15 @@ def _attention(
         query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=grouped
     )
     return attended.transpose(1, 2).contiguous(), None
+
+
+def _take_prefilled(
+    rows: KVRows, keys: list[torch.Tensor], values: list[torch.Tensor], row: int, length: int
+) -> None:
+    """Copy row ``row``'s first ``length`` positions of a compiled prefill's
+    keys and values (per layer ``[rows, heads, positions, dim]``) into ``rows``."""
+    rows.reserve(right=length)
+    mine = slice(row, row + 1)
+    for layer, (layer_keys, layer_values) in enumerate(zip(keys, values, strict=True)):
+        rows.write(layer, layer_keys[mine, :, :length], layer_values[mine, :, :length])
+    rows.advance(length)
