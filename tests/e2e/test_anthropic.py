@@ -570,13 +570,19 @@ def test_a_claude_code_shaped_conversation_is_answered(
     assert count.json() == {"input_tokens": prompt_length(message["usage"])}
 
 
-def test_disconnect_mid_stream_cancels(server: RunningServer) -> None:
+def test_disconnect_mid_stream_cancels(
+    scripted_server: RunningServer, scripted: ScriptedModel
+) -> None:
+    server = scripted_server
     seconds_per_token(server)  # timed before, on an idle server
+    # Greedy on a looping script: a sampled reply on the default model could
+    # end (EOS) before the third delta, and the test with it.
     body = {
         "model": server.model,
         "max_tokens": 100_000,  # clamped to the context: far more than the test waits for
         "messages": MESSAGES,
         "stream": True,
+        **script_body(scripted, "bytes_stop"),
     }
     with (
         httpx.Client(timeout=60) as http,
