@@ -1,19 +1,20 @@
-"""The stop-string matcher: ends the output at the earliest stop string.
+"""The stop-string matcher: ends the output at the first stop string to complete.
 
 Theory of operation: one Aho-Corasick automaton over the stop strings
-(:class:`MarkerSet`), stepped once per character and never reset by a match.
-Its state is the longest suffix of the text that could still begin a stop
-string, so that suffix -- and only it -- is held back.
+(:class:`MarkerSet`), stepped once per character. Its state is the longest
+suffix of the text that could still begin a stop string, so that suffix -- and
+only it -- is held back.
 
-When a stop string completes, an earlier-starting, longer stop string may still
-be alive (stop strings ``"abcd"`` and ``"bc"`` on ``"abc"``): the earliest
-start wins, ties go to the shorter string (it completed first). So a found
-match becomes *pending* and waits until no live candidate starts before it;
-any later match that starts earlier replaces it. Everything from the earliest
-of (pending start, live candidate start) is held; everything before is
-released. Once the match is final, the text before it is released, the stop
-string is released (``include_stop_str_in_output``) or dropped, and every
-later character is dropped.
+The first stop string to complete ends the output, at the character that
+completes it, as OpenAI's API, vLLM and llama.cpp stop at the first stop
+string found: the request ends on that token, not one later, and a longer
+stop string that started earlier and might still complete is not waited for
+(stop strings ``"abcd"`` and ``"bc"`` on ``"abc"``: ``"bc"`` ends it). Among
+stop strings completing at the same character, the longest (it starts first)
+wins. The cut is the same however the text is split into tokens. The text
+before the match is released, the stop string is released
+(``include_stop_str_in_output``) or dropped, and every later character is
+dropped.
 
 A match that completes in a token with index below ``min_tokens`` does not
 count. Text of one channel is matched as one stream; a change of channel (or a
@@ -40,16 +41,11 @@ class InvalidStopError(ParserError, ValueError):
 
 class StopState(enum.Enum):
     SCANNING = "scanning"
-    PENDING = "pending"  # a match was found; an earlier-starting candidate may still win
     MATCHED = "matched"
 
 
 _TRANSITIONS: MappingProxyType[StopState, frozenset[StopState]] = MappingProxyType(
-    {
-        StopState.SCANNING: frozenset({StopState.PENDING}),
-        StopState.PENDING: frozenset({StopState.PENDING, StopState.MATCHED}),
-        StopState.MATCHED: frozenset(),
-    }
+    {StopState.SCANNING: frozenset({StopState.MATCHED}), StopState.MATCHED: frozenset()}
 )
 
 
@@ -82,8 +78,6 @@ class StopMatcher(SpanStage):
         self._held = HeldText()
         self._fed = 0  # characters fed in the current segment (one channel's run)
         self._segment: Channel | None = None
-        self._pending_start = 0
-        self._pending: str | None = None
         self._matched: str | None = None
 
     @property
@@ -121,9 +115,6 @@ class StopMatcher(SpanStage):
             return
         if span.channel is not self._segment:
             self._flush(out)
-            if self._matched is not None:  # the segment's end concluded a pending match
-                out.append(dropped(span.token, span.text, None))
-                return
             self._segment = span.channel
         self._scan(span.token, span.text, span.channel, out)
 
@@ -131,9 +122,9 @@ class StopMatcher(SpanStage):
         markers = self._markers
         position = 0
         while position < len(text):
-            if self._automaton == INITIAL_STATE and self._state is StopState.SCANNING:
-                # Fast path: nothing is held and nothing is pending, so a run
-                # without a stop string's first character goes out in one slice.
+            if self._automaton == INITIAL_STATE:
+                # Fast path: nothing is held, so a run without a stop string's
+                # first character goes out in one slice.
                 start = markers.skip_to_candidate(text, position)
                 if start > position:
                     out.append(Span(token, text[position:start], channel))
@@ -147,49 +138,30 @@ class StopMatcher(SpanStage):
             self._automaton = markers.step(self._automaton, char)
             found = markers.matched(self._automaton)
             if found is not None and token >= self._min_tokens:
-                self._consider(found)
-            live_from = self._fed - markers.live_depth(self._automaton)
-            if self._state is StopState.PENDING:
-                if live_from >= self._pending_start:
-                    self._conclude(channel, out)
-                    if position < len(text):
-                        out.append(dropped(token, text[position:], None))
-                    return
-                live_from = min(live_from, self._pending_start)
-            self._release_before(live_from, channel, out)
-
-    def _consider(self, found: str) -> None:
-        """A stop string ends at the current character; keep it if it starts earliest."""
-        start = self._fed - len(found)
-        if self._pending is None or start < self._pending_start:
-            self._enter(StopState.PENDING)
-            self._pending = found
-            self._pending_start = start
+                self._conclude(found, channel, out)
+                if position < len(text):
+                    out.append(dropped(token, text[position:], None))
+                return
+            self._release_before(self._fed - markers.live_depth(self._automaton), channel, out)
 
     def _release_before(self, position: int, channel: Channel, out: list[Event]) -> None:
         count = position - (self._fed - self._held.length)
         if count > 0:
             out.extend(spans_of(self._held.take(count), channel))
 
-    def _conclude(self, channel: Channel, out: list[Event]) -> None:
-        """The pending match is final: release before it, then the stop string, drop the rest."""
-        stop = self._pending
-        if stop is None:
-            raise IllegalTransitionError("stop matcher: concluding without a pending match")
-        self._release_before(self._pending_start, channel, out)
+    def _conclude(self, stop: str, channel: Channel, out: list[Event]) -> None:
+        """``stop`` ends the output here: release before it, then the stop string, drop the rest."""
+        self._release_before(self._fed - len(stop), channel, out)
         matched = self._held.take(len(stop))
         if self._include:
             out.extend(spans_of(matched, channel))
         else:
             out.extend(spans_of(matched, Channel.DROPPED, None))
-        out.extend(spans_of(self._held.take_all(), Channel.DROPPED, None))
         self._enter(StopState.MATCHED)
         self._matched = stop
 
     def _flush(self, out: list[Event]) -> None:
-        if self._state is StopState.PENDING and self._segment is not None:
-            self._conclude(self._segment, out)
-        elif self._state is StopState.SCANNING and self._segment is not None:
+        if self._state is StopState.SCANNING and self._segment is not None:
             out.extend(spans_of(self._held.take_all(), self._segment))
         self._automaton = INITIAL_STATE
         self._fed = 0

@@ -270,13 +270,15 @@ def ref_reasoning(
 def ref_stop(
     text: str, owners: Sequence[int], stops: Sequence[str], min_tokens: int = 0
 ) -> tuple[int, str] | None:
-    """The earliest-starting counted match (ties: the shortest), as (start, stop)."""
-    by_length = sorted(set(stops), key=len)
-    for start in range(len(text)):
+    """The first counted match to complete (ties: the longest, which starts
+    first), as (start, stop)."""
+    by_length = sorted(set(stops), key=len, reverse=True)
+    for end in range(1, len(text) + 1):
+        if owners[end - 1] < min_tokens:
+            continue
         for stop in by_length:
-            end = start + len(stop)
-            if text.startswith(stop, start) and owners[end - 1] >= min_tokens:
-                return start, stop
+            if text.endswith(stop, 0, end):
+                return end - len(stop), stop
     return None
 
 

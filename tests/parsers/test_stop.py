@@ -1,4 +1,4 @@
-"""The stop matcher against the reference: cut at the earliest-starting match."""
+"""The stop matcher against the reference: cut at the first stop string to complete."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ Case = tuple[str, list[str], bool, int, Tokenized, set[int]]
 @example(case=("abcd", ["abcd", "bc"], True, 0, tokenize(b"abcd", [2]), set()))
 @example(case=("aab", ["ab", "aab"], False, 0, tokenize(b"aab", [1, 2]), set()))
 @example(case=("abab", ["ab"], False, 2, tokenize(b"abab", [1, 2, 3]), set()))
-def test_output_is_text_cut_at_the_earliest_match(case: Case) -> None:
+def test_output_is_text_cut_at_the_first_completed_match(case: Case) -> None:
     text, stop, include, min_tokens, tokenized, groups = case
     steps = token_spans(tokenized)
     owners = owners_of(steps)
@@ -121,14 +121,21 @@ def test_a_partial_stop_is_released_when_it_breaks() -> None:
     assert matcher.held_from is None
 
 
-def test_found_match_waits_for_an_earlier_longer_candidate() -> None:
+def test_a_completed_match_does_not_wait_for_an_earlier_longer_candidate() -> None:
+    """ "bc" completes first; "abcd", which started earlier, might still
+    complete, but the output ends on the token that completed "bc", as
+    OpenAI's API and vLLM end it."""
     matcher = StopMatcher(["abcd", "bc"])
-    out = matcher.feed([content(0, "xab"), content(1, "c")])
-    assert route(out).content == "x"
-    assert matcher.matched is None  # "bc" found, but "abcd" may still complete
-    out = matcher.feed([content(2, "d")])
-    assert matcher.matched == "abcd"
-    assert route(out).content == ""
+    out = matcher.feed([content(0, "xab"), content(1, "cd")])
+    assert route(out).content == "xa"
+    assert out[-1] == dropped(1, "d", None)
+    assert matcher.matched == "bc"
+
+
+def test_matches_completing_together_cut_at_the_longest() -> None:
+    matcher = StopMatcher(["b", "ab"])
+    assert route(matcher.feed([content(0, "xa"), content(1, "b")])).content == "x"
+    assert matcher.matched == "ab"
 
 
 def test_everything_after_the_match_is_dropped() -> None:
@@ -258,14 +265,12 @@ def test_a_channel_change_releases_what_was_held_in_the_old_one() -> None:
     assert matcher.matched is None
 
 
-def test_a_match_concluded_by_a_channel_change_drops_the_new_channel() -> None:
-    """ "bc" is found in the reasoning but waits for "abcd"; the reasoning
-    ends there, which settles "bc", and the content after it is dropped."""
+def test_a_match_in_the_reasoning_drops_the_content_after_it() -> None:
+    """ "bc" ends the output inside the reasoning; the reasoning's markup
+    keeps its label and the content after it is dropped."""
     matcher = StopMatcher(["abcd", "bc"], match_in_reasoning=True)
-    assert matcher.feed([Span(0, "xabc", Channel.REASONING)]) == [Span(0, "x", Channel.REASONING)]
-    assert matcher.feed([content(1, "d!")]) == [
-        Span(0, "a", Channel.REASONING),
-        dropped(0, "bc", None),
-        dropped(1, "d!", None),
-    ]
+    out = matcher.feed([Span(0, "xabc", Channel.REASONING)])
+    assert route(out).reasoning == "xa"
+    assert out[-1] == dropped(0, "bc", None)
+    assert matcher.feed([content(1, "d!")]) == [dropped(1, "d!", None)]
     assert matcher.matched == "bc"

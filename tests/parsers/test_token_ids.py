@@ -168,13 +168,13 @@ def test_ids_ride_with_their_first_character_and_markup_with_the_next() -> None:
 
 
 def test_markup_ids_ride_with_the_chunk_of_their_channel_in_that_step() -> None:
-    """Stop strings "abcd" and "bc" on "ab" | "c" | "x": "bc" matches first but
-    "abcd" may still win, so "ab" and "c" are held; "x" settles it. That step
-    releases "a" (token 0) and drops the rest: tokens 1 and 2 are markup of
-    the content channel, resolved by that step, so their entries and ids
-    ride with its chunk, not with the finishing one."""
+    """Stop strings "abcd" and "bc" on "ab" | "c" | "x": "bc" completes in
+    token 1 and ends the output there (token 2 never enters). That step
+    releases "a" (token 0) and drops "bc": token 1 is markup of the content
+    channel, resolved by that step, so its id rides with that step's content
+    chunk, not with the finishing one."""
     tokenized = tokenize(b"abcx", [2, 3])
     result = run_with_ids(tokenized, TextPathOptions(stop=("abcd", "bc")))
     assert_ownership(result)
     carried = [(d.content, d.token_ids, d.finish) for d in result.deltas]
-    assert carried == [("a", (0, 1, 2), None), ("", (), FinishCause.STOP_STRING)]
+    assert carried == [("a", (0, 1), None), ("", (), FinishCause.STOP_STRING)]

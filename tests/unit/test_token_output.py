@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sluiceway.actors.output import OutputConfig, RequestOutputs
@@ -123,16 +123,13 @@ def test_a_stop_string_ends_the_choice_at_the_token_that_completes_it() -> None:
     assert events[-1] == Completed(usage=Usage(prompt_tokens=1, completion_tokens=9))
 
 
-def test_a_pending_shorter_stop_string_wins_when_the_output_ends() -> None:
-    """ "bc" completes inside "abc" while "abcd" could still match; EOS ends
-    the output, so "bc" is the stop that ended the choice."""
+def test_the_first_completed_stop_string_ends_the_choice_on_its_token() -> None:
+    """ "bc" completes inside "abc" while "abcd" could still match: the
+    choice ends on that token, with "bc" as the stop, as OpenAI's API ends it."""
     core = outputs(("abcd", "bc"))
-    events = core.handle(StepOutput(samples=(sample(8),)))
-    assert [d.finish for d in deltas_of(events)] == [None]
-    events = core.handle(StepOutput(samples=(sample(EOS, finish=FinishCause.EOS),)))
-    (delta,) = deltas_of(events)
+    (delta,) = deltas_of(core.handle(StepOutput(samples=(sample(8),))))
     assert (delta.token_ids, delta.finish, delta.matched_stop) == (
-        (EOS,),
+        (8,),
         FinishCause.STOP_STRING,
         "bc",
     )
@@ -181,8 +178,19 @@ def ending(table: TokenTable, ids: list[int], stops: tuple[str, ...]) -> tuple[i
     return len(ids), False
 
 
+#: Overlapping stop strings: "é" completes in token 2 while "OéO", which
+#: started earlier, might still complete; the choice ends on token 2.
+OVERLAPPING = (
+    Tokenized(TokenTable((b"O", b"\xc3", b"\xa9", b"<|im_end|>"), frozenset({3})), (0, 1, 2, 0, 3)),
+    ("OéO", "é"),
+    1,
+    [[0, 1, 2, 0, 3]],
+)
+
+
 @settings(max_examples=examples(200), deadline=None)
 @given(case=generations(), logprobs=st.booleans())
+@example(case=OVERLAPPING, logprobs=False)
 def test_streamed_ids_are_the_whole_replys_ids(
     case: tuple[Tokenized, tuple[str, ...], int, list[list[int]]], logprobs: bool
 ) -> None:
