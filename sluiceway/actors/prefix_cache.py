@@ -148,8 +148,10 @@ class PrefixIndex:
 
     # --- requests ---------------------------------------------------------------
 
-    def lookup(self, tokens: Sequence[int], limit: int) -> Hold:
-        """Pin the longest cached prefix of ``tokens``, at most ``limit`` long."""
+    def lookup(self, tokens: Sequence[int], limit: int, *, least: int = 1) -> Hold:
+        """Pin the longest cached prefix of ``tokens``, at most ``limit`` long.
+        One shorter than ``least`` is counted as a miss: the caller prefills
+        it again."""
         node, length = self._root, 0
         entries = []
         while length < limit:
@@ -166,9 +168,10 @@ class PrefixIndex:
         self._touch(node)
         if limit > 0:  # a request that may reuse nothing is no miss
             self.stats.lookups += 1
-            self.stats.hits += length > 0
+            used = length if length >= max(least, 1) else 0
+            self.stats.hits += used > 0
             self.stats.looked_up_tokens += len(tokens)
-            self.stats.hit_tokens += length
+            self.stats.hit_tokens += used
         return hold
 
     def peek(self, tokens: Sequence[int]) -> int:

@@ -105,6 +105,12 @@ class SchedulerConfig:
     on_admitted: Callable[[float], None] | None = None
     #: What the prefix cache may hold, in bytes; 0 turns it off.
     prefix_cache_bytes: int = 0
+    #: A cached prefix shorter than this is prefilled again, not restored:
+    #: restoring costs a copy and sends the prompt down the eager packed
+    #: path, where a fresh prompt takes the compiled prefill; a chat
+    #: template's opening is such a prefix of nearly every prompt. Sixteen
+    #: is vLLM's block, the least its prefix cache reuses.
+    min_prefix_reuse: int = 16
     #: Seconds with no request after some work before the engine and the
     #: heap give memory back (``engine_work.release_memory``; None: never).
     release_memory_after: float | None = None
@@ -612,10 +618,14 @@ class SchedulerCore:
             # The last prompt token is always prefilled: its logits pick the
             # first token. A request for prompt logprobs reuses nothing, so
             # that every position is scored; its prompt is still kept.
+            # A hold on a prefix too short to reuse still anchors the chunks
+            # the prompt keeps (from its end on).
             reuse = 0 if request.scores is not None else len(spec.prompt_ids) - 1
-            hold = request.hold = self._prefix.lookup(spec.prompt_ids, reuse)
-            request.prefilled = request.cached = hold.length
-            request.restore = hold.entries if hold.length else ()
+            least = self._config.min_prefix_reuse
+            hold = request.hold = self._prefix.lookup(spec.prompt_ids, reuse, least=least)
+            if hold.length >= max(least, 1):
+                request.prefilled = request.cached = hold.length
+                request.restore = hold.entries
         self._prefilling.append(request)
         return request
 

@@ -144,6 +144,10 @@ class Output:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    #: The shortest cached prefix reused. One here, so that the short prompts
+    #: below exercise restoring; :class:`ShortPrefixMachine` raises it.
+    MIN_REUSE = 1
+
     def __init__(self) -> None:
         super().__init__()
         config = SchedulerConfig(
@@ -152,6 +156,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             prefill_chunk_tokens=CHUNK,
             stall_timeout=STALL_SECONDS,
             prefix_cache_bytes=64 * BYTES_PER_TOKEN,
+            min_prefix_reuse=self.MIN_REUSE,
         )
         self.engine = SequenceEngine()
         self.core = SchedulerCore(config, self.engine.info, guided=False)
@@ -371,6 +376,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.core.prefix_pins() == 0
 
     @invariant()
+    def no_prefix_shorter_than_the_least_is_reused(self) -> None:
+        for output in self.outputs.values():
+            assert all(cached >= self.MIN_REUSE for cached in _cached(output))
+
+    @invariant()
     def admitted_in_order(self) -> None:
         assert self.admitted == sorted(self.admitted)
         assert len(set(self.admitted)) == len(self.admitted)
@@ -405,6 +415,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.each_request_ends_once_for_one_cause()
             self.tokens_are_the_models()
             self.pins_return_to_zero()
+            self.no_prefix_shorter_than_the_least_is_reused()
             self.admitted_in_order()
         assert self.core.quiet
         for output in self.outputs.values():
@@ -412,10 +423,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.core.prefix_pins() == 0
 
 
+class ShortPrefixMachine(SchedulerMachine):
+    """Cached prefixes shorter than thirteen tokens are prefilled again: the
+    twelve shared tokens are not reused, their holds still anchor what the
+    prompt keeps, and a chunk (eight tokens) that ends inside such a prefix
+    keeps nothing."""
+
+    MIN_REUSE = len(SHARED) + 1
+
+
 def test_the_core_keeps_its_promises() -> None:
     run_state_machine_as_test(
         SchedulerMachine,
         settings=settings(max_examples=100, stateful_step_count=50, deadline=None),
+    )
+
+
+def test_the_core_keeps_its_promises_when_short_prefixes_are_not_reused() -> None:
+    run_state_machine_as_test(
+        ShortPrefixMachine,
+        settings=settings(max_examples=50, stateful_step_count=50, deadline=None),
     )
 
 

@@ -166,6 +166,9 @@ def spec(name: str, prompt: Sequence[int], **options: object) -> GenerationReque
 
 
 def config(budget_tokens: int, **fields: int) -> SchedulerConfig:
+    """Reusing any cached prefix (``min_prefix_reuse`` 1) unless told: the
+    prompts here are a few tokens long."""
+    fields.setdefault("min_prefix_reuse", 1)
     return SchedulerConfig(
         eos_ids=frozenset({EOS}), prefix_cache_bytes=budget_tokens * BYTES_PER_TOKEN, **fields
     )
@@ -217,6 +220,47 @@ async def test_a_request_reuses_what_an_earlier_one_prefilled() -> None:
     await run_with(engine, config(1000), body)  # type: ignore[arg-type]
     assert engine.restored == {2: 20, 3: 21}
     assert engine.prefilled == {1: 22, 2: 1, 3: 1}
+
+
+@pytest.mark.anyio
+async def test_a_short_cached_prefix_is_prefilled_again_but_anchors_the_keep() -> None:
+    """At the default (16), a prompt that shares 15 tokens with a cached one
+    is prefilled whole, reports nothing cached and counts as a miss; it is
+    still kept, so a third prompt sharing it all reuses it."""
+    engine = SequenceEngine()
+    head = list(range(1, 16))
+
+    async def body(handle: SchedulerHandle) -> None:
+        first = reply(await collect(submit(handle, spec("a", [*head, 30]))), 1)
+        second = reply(await collect(submit(handle, spec("b", [*head, 31, 32, 33]))), 1)
+        third = reply(await collect(submit(handle, spec("c", [*head, 31, 32, 33, 34]))), 1)
+        assert (first.cached, second.cached, third.cached) == (0, 0, 18)
+        assert second.tokens == (expected_tokens([*head, 31, 32, 33], 4),)
+        assert third.tokens == (expected_tokens([*head, 31, 32, 33, 34], 4),)
+        assert handle.prefix_cache is not None
+        stats = handle.prefix_cache
+        assert (stats.lookups, stats.hits, stats.hit_tokens) == (3, 1, 18)
+
+    await run_with(
+        engine,
+        SchedulerConfig(eos_ids=frozenset({EOS}), prefix_cache_bytes=1000 * BYTES_PER_TOKEN),
+        body,
+    )  # type: ignore[arg-type]
+    assert engine.restored == {3: 18}
+    assert engine.prefilled == {1: 16, 2: 18, 3: 1}
+
+
+@pytest.mark.anyio
+async def test_a_cached_prefix_of_a_block_is_reused() -> None:
+    engine = SequenceEngine()
+    head = list(range(1, 17))
+
+    async def body(handle: SchedulerHandle) -> None:
+        await collect(submit(handle, spec("a", [*head, 30])))
+        assert reply(await collect(submit(handle, spec("b", [*head, 31]))), 1).cached == 16
+
+    await run_with(engine, config(1000, min_prefix_reuse=16), body)  # type: ignore[arg-type]
+    assert engine.restored == {2: 16}
 
 
 @pytest.mark.anyio
@@ -322,13 +366,19 @@ async def run_jobs(engine: SequenceEngine, cfg: SchedulerConfig, batch: list[Job
     chunk=st.integers(1, 16),
     rows=st.integers(1, 4),
     faults=st.sampled_from([0, 0, 0, 2, 5]),
+    least=st.sampled_from([1, 6, 16]),
 )
 def test_outputs_are_those_of_no_cache_under_any_schedule(
-    backend: str, batch: list[Job], budget: int, chunk: int, rows: int, faults: int
+    backend: str, batch: list[Job], budget: int, chunk: int, rows: int, faults: int, least: int
 ) -> None:
     """Also when the engine fails cache edits: the cache starts afresh, and
-    requests whose restore failed fail (never a wrong output)."""
-    fields = {"prefill_chunk_tokens": chunk, "max_num_seqs": max(rows, max(j.n for j in batch))}
+    requests whose restore failed fail (never a wrong output). And whatever
+    the shortest prefix reused (``least``), none shorter is."""
+    fields = {
+        "prefill_chunk_tokens": chunk,
+        "max_num_seqs": max(rows, max(j.n for j in batch)),
+        "min_prefix_reuse": least,
+    }
     engine = FaultyEngine(every=faults) if faults else SequenceEngine()
     cached = anyio.run(run_jobs, engine, config(budget, **fields), batch, backend=backend)
     plain = anyio.run(run_jobs, SequenceEngine(), config(0, **fields), batch, backend=backend)
@@ -338,6 +388,7 @@ def test_outputs_are_those_of_no_cache_under_any_schedule(
         assert (got.tokens, got.prompt_scores) == (want.tokens, want.prompt_scores)
         assert got.tokens == (expected_tokens(job.prompt, job.max_tokens),) * job.n
         assert got.cached < len(job.prompt)
+        assert got.cached == 0 or got.cached >= least
         if job.prompt_top is not None:
             assert got.cached == 0
             assert got.prompt_scores == len(job.prompt)
