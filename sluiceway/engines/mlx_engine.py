@@ -2,12 +2,12 @@
 
 Theory of operation. A slot prefills into mlx-lm's own per-layer ``KVCache``
 list. The first decode that names it copies its keys and values into the next
-free row of the running batch (:class:`_Rows`): per layer, one keys buffer and
+free row of the running batch (:class:`~sluiceway.engines.mlx_rows.Rows`): per layer, one keys buffer and
 one values buffer ``[rows, kv_heads, capacity, head_dim]`` that the engine
 owns. Every row's positions start at 0, so rows of different lengths sit side
 by side, each with a tail past its length that is never read.
 
-A decode step hands the model one :class:`_RowsLayer` per layer, the cache
+A decode step hands the model one :class:`~sluiceway.engines.mlx_rows.RowsLayer` per layer, the cache
 object mlx-lm's attention calls: ``offset`` for RoPE, ``make_mask`` for the
 attention mask, ``update_and_fetch`` to write the step's keys and values and
 read the window back. When every row holds as many positions (a lone row,
@@ -21,7 +21,7 @@ step, even for rows of equal length, and copies the whole batch when a row
 joins or leaves: docs/engines.md.)
 
 A freed row is overwritten by the last row (a copy of that one row, see
-:meth:`_Rows._move`), so the running rows stay the first rows of the buffers
+:meth:`~sluiceway.engines.mlx_rows.Rows._move`), so the running rows stay the first rows of the buffers
 and nothing else moves. The
 buffers grow by doubling their rows and by 256 positions at a time (copies of
 the whole, amortised, as ``KVCache`` grows), and are kept while the engine
@@ -69,20 +69,12 @@ from sluiceway.engines.base import (
 from sluiceway.engines.blas import OpenBlasThreads, find_openblas
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.memory import host_available_bytes
+from sluiceway.engines.mlx_rows import Rows, copies
 
 logger = logging.getLogger(__name__)
 
 #: Prompt positions per forward pass while prefilling, to bound peak memory.
 PREFILL_STEP = 512
-#: The running rows' time axis grows in multiples of this many positions.
-TIME_STEP = 256
-#: The running rows' buffers start with room for this many rows, doubling as needed.
-ROW_STEP = 8
-#: Emptied rows keep their buffers up to this size for the next rows (as the
-#: transformers engine's idle batch does); larger ones, left by long or many
-#: rows, are given back at once rather than at the next release_memory.
-KEEP_IDLE_BYTES = 256 * 2**20
-
 #: Environment for a process that runs this engine, where not already set.
 #: When mlx's CPU backend runs on OpenBLAS (preloaded), OpenBLAS keeps its
 #: idle threads spinning for 2**28 cycles after each call; with 2 cores, the
@@ -121,216 +113,6 @@ class _Queued:
         indices = mx.array(keep)
         order = tuple(self.order[i] for i in keep)
         return _Queued(order, self.tokens[indices], self.logits[indices])
-
-
-@dataclass(frozen=True, slots=True)
-class _Step:
-    """Where the step being built writes its keys and values, and what its
-    attention reads back."""
-
-    #: Every row's first new position when the rows hold as many positions,
-    #: else the scatter's indices (rows, heads, positions), which broadcast
-    #: to ``[rows, kv_heads, width]``.
-    at: int | tuple[Any, Any, Any]
-    #: Positions read back: the longest row's, the new ones included.
-    window: int
-    #: RoPE's offset: one for every row, or an array of one a row.
-    offset: Any
-    #: None (every row reads its whole window), or booleans
-    #: ``[rows or 1, 1, width, window]``.
-    mask: Any
-
-
-class _Rows:
-    """The running rows' keys and values, in buffers the engine owns (see the
-    module's docstring). Row ``i`` is the ``i``-th running slot."""
-
-    def __init__(self, mx: Any, layers: int) -> None:
-        self._mx = mx
-        #: Per layer, ``[row_capacity, kv_heads, capacity, head_dim]``.
-        self.keys: list[Any] = []
-        self.values: list[Any] = []
-        #: The positions each row holds, on the host.
-        self.lengths: list[int] = []
-        self._step: _Step | None = None
-        self._caches = [_RowsLayer(self, layer) for layer in range(layers)]
-
-    @property
-    def step(self) -> _Step:
-        if self._step is None:
-            raise RuntimeError("the rows are read and written only by a step's forward pass")
-        return self._step
-
-    def begin(self, width: int) -> list[_RowsLayer]:
-        """The model's caches for a step that adds ``width`` positions to every row."""
-        starts = self.lengths
-        window = max(starts) + width
-        self._reserve(len(starts), window)
-        if min(starts) == max(starts):
-            self._step = self._equal_step(starts[0], width, window)
-        else:
-            self._step = self._ragged_step(starts, width, window)
-        self.lengths = [length + width for length in starts]
-        return self._caches
-
-    def _equal_step(self, start: int, width: int, window: int) -> _Step:
-        # A plain KVCache's step: a decode step reads every row's whole
-        # window, so it needs no mask; a longer one needs the causal mask.
-        mx = self._mx
-        mask = None
-        if width > 1:
-            mask = (mx.arange(window) <= start + mx.arange(width)[:, None])[None, None]
-        return _Step(start, window, start, mask)
-
-    def _ragged_step(self, starts: list[int], width: int, window: int) -> _Step:
-        mx = self._mx
-        first = mx.array(starts)[:, None]
-        positions = first + mx.arange(width)  # [rows, width]
-        heads = mx.arange(self.keys[0].shape[1])[None, :, None]
-        at = (mx.arange(len(starts))[:, None, None], heads, positions[:, None, :])
-        # Each row's tail past its own length is stale: masked, so a finite
-        # stale key scores -inf and its value counts for exactly nothing.
-        mask = (mx.arange(window) <= positions[..., None])[:, None]
-        return _Step(at, window, first[:, 0], mask)
-
-    def write(self, layer: int, keys: Any, values: Any) -> tuple[Any, Any]:
-        """Write one layer's new keys and values ``[rows, kv_heads, width,
-        head_dim]``; return that layer's window of every row."""
-        step = self.step
-        rows, width = keys.shape[0], keys.shape[2]
-        for buffer, new in ((self.keys[layer], keys), (self.values[layer], values)):
-            if isinstance(step.at, int):
-                buffer[:rows, :, step.at : step.at + width, :] = new
-            else:
-                buffer[step.at] = new
-        window = step.window
-        return self.keys[layer][:rows, :, :window], self.values[layer][:rows, :, :window]
-
-    def join(self, caches: Sequence[Any]) -> None:
-        """Copy a prefilled slot's ``KVCache`` list into a new last row."""
-        held = int(caches[0].offset)
-        if not self.keys:
-            self._allocate(caches)
-        row = len(self.lengths)
-        self._reserve(row + 1, held)
-        if held:
-            for layer, cache in enumerate(caches):
-                self.keys[layer][row : row + 1, :, :held] = cache.keys[..., :held, :]
-                self.values[layer][row : row + 1, :, :held] = cache.values[..., :held, :]
-        self.lengths.append(held)
-
-    def leave(self, row: int) -> list[int]:
-        """Drop ``row``, the last row moving into its place; return the rows
-        kept (their former indices) in their new order."""
-        last = len(self.lengths) - 1
-        kept = list(range(last))
-        if row != last:
-            kept[row] = last
-            self._move(last, row)
-            self.lengths[row] = self.lengths[last]
-        self.lengths.pop()
-        return kept
-
-    def _move(self, source: int, target: int) -> None:
-        mx = self._mx
-        index = mx.array([source])
-        moved = [mx.take(buffer, index, axis=0) for buffer in (*self.keys, *self.values)]
-        # Evaluated before it is written: while a lazy copy of a row still
-        # reads its buffer, writing it into that buffer copies the whole
-        # buffer (64 of 65 MB at 64 rows, measured), not one row. This
-        # waits for a step under way, whose work the next decode takes over.
-        mx.eval(moved)
-        for buffer, row in zip((*self.keys, *self.values), moved, strict=True):
-            buffer[target : target + 1] = row
-
-    def trim(self, positions: int) -> None:
-        """Take back each row's last ``positions`` positions."""
-        if any(length < positions for length in self.lengths):
-            raise ValueError("the cache cannot take back a position")
-        self.lengths = [length - positions for length in self.lengths]
-
-    def span(self, row: int, start: int, end: int) -> list[tuple[Any, Any]]:
-        """Copies of ``row``'s keys and values at positions ``[start, end)``."""
-        if not 0 <= start < end <= self.lengths[row]:
-            raise ValueError(f"the row holds no positions {start}..{end}")
-        layers = [
-            (k[row : row + 1], v[row : row + 1])
-            for k, v in zip(self.keys, self.values, strict=True)
-        ]
-        return _copies(self._mx, layers, start, end)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(buffer.nbytes) for buffer in (*self.keys, *self.values))
-
-    def idle(self) -> None:
-        """Keep the buffers of rows all gone for the next rows, when small
-        enough, with nothing left to compute: a graph still pending is bound
-        to the stream of the thread that built it, and the next rows may be
-        decoded on another thread (an engine that outlives its server)."""
-        if self.nbytes > KEEP_IDLE_BYTES:
-            self.release()
-        else:
-            self._mx.eval(self.keys, self.values)
-
-    def release(self) -> None:
-        """Give the buffers back, dropping any rows."""
-        self.keys, self.values, self.lengths = [], [], []
-
-    def _allocate(self, caches: Sequence[Any]) -> None:
-        mx = self._mx
-        for cache in caches:
-            _, heads, _, key_dim = cache.keys.shape
-            value_dim = cache.values.shape[3]
-            self.keys.append(mx.zeros((ROW_STEP, heads, TIME_STEP, key_dim), cache.keys.dtype))
-            self.values.append(
-                mx.zeros((ROW_STEP, heads, TIME_STEP, value_dim), cache.values.dtype)
-            )
-
-    def _reserve(self, rows: int, positions: int) -> None:
-        """Grow the buffers to hold at least ``rows`` rows of ``positions``."""
-        mx = self._mx
-        have_rows, _, have_positions, _ = self.keys[0].shape
-        more_rows = max(rows, 2 * have_rows) - have_rows if rows > have_rows else 0
-        more_positions = 0
-        if positions > have_positions:
-            more_positions = -(-positions // TIME_STEP) * TIME_STEP - have_positions
-        if not (more_rows or more_positions):
-            return
-        for buffers in (self.keys, self.values):
-            for layer, buffer in enumerate(buffers):
-                grown = buffer
-                if more_rows:
-                    room = mx.zeros((more_rows, *grown.shape[1:]), grown.dtype)
-                    grown = mx.concatenate([grown, room])
-                if more_positions:
-                    size, heads, _, dim = grown.shape
-                    room = mx.zeros((size, heads, more_positions, dim), grown.dtype)
-                    grown = mx.concatenate([grown, room], axis=2)
-                buffers[layer] = grown
-
-
-class _RowsLayer:
-    """One layer's cache in a step over :class:`_Rows`: what mlx-lm's
-    attention layers call (``offset``, ``make_mask``, ``update_and_fetch``)."""
-
-    def __init__(self, rows: _Rows, layer: int) -> None:
-        self._rows = rows
-        self._layer = layer
-
-    @property
-    def offset(self) -> Any:
-        return self._rows.step.offset
-
-    def make_mask(
-        self, n: int, *, return_array: bool = False, window_size: int | None = None
-    ) -> Any:
-        if window_size is not None:
-            raise ValueError("the engine's KV rows hold no attention window")
-        return self._rows.step.mask
-
-    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        return self._rows.write(self._layer, keys, values)
 
 
 def unhonoured_window(config: Mapping[str, Any], model_args: Any) -> int | None:
@@ -401,7 +183,7 @@ class MlxEngine:
         self._model, config = load_model(source.path)
         self._pending: dict[int, list[Any]] = {}
         #: The running rows' keys and values; ``_order[i]`` is row ``i``'s slot.
-        self._rows = _Rows(mx, _attention_layers(self._model, config))
+        self._rows = Rows(mx, _attention_layers(self._model, config))
         self._order: list[int] = []
         #: The step queued ahead, if any; its position is in the rows.
         self._queued: _Queued | None = None
@@ -592,8 +374,8 @@ class MlxEngine:
         elif isinstance(op, SplitKV):
             whole = self._entry(op.entry)
             if op.head is not None:
-                self._entries[op.head] = _copies(mx, whole, 0, op.at)
-            pieces = _copies(mx, whole, op.at, whole[0][0].shape[2])
+                self._entries[op.head] = copies(mx, whole, 0, op.at)
+            pieces = copies(mx, whole, op.at, whole[0][0].shape[2])
         elif isinstance(op, DropKV):
             self._entries.pop(op.entry, None)
             return
@@ -628,7 +410,7 @@ class MlxEngine:
         caches = self._pending[slot]
         if not 0 <= start < end <= caches[0].size():
             raise ValueError(f"the slot holds no positions {start}..{end}")
-        return _copies(self._mx, [(c.keys, c.values) for c in caches], start, end)
+        return copies(self._mx, [(c.keys, c.values) for c in caches], start, end)
 
     def _bytes_per_token(self) -> int:
         """Per token, the bytes every layer's keys and values take."""
@@ -647,12 +429,6 @@ class MlxEngine:
         for slot in joining:
             self._rows.join(self._pending.pop(slot))
         self._order.extend(joining)
-
-
-def _copies(mx: Any, layers: list[tuple[Any, Any]], start: int, end: int) -> list[tuple[Any, Any]]:
-    """Positions ``[start, end)`` of each layer's keys and values, copied
-    (``mx.array`` of a slice copies it)."""
-    return [(mx.array(k[:, :, start:end]), mx.array(v[:, :, start:end])) for k, v in layers]
 
 
 def _attention_layers(model: Any, config: Mapping[str, Any]) -> int:

@@ -13,7 +13,8 @@ pytest.importorskip("mlx.core")
 import mlx.core as mx
 from mlx_lm.models import cache as typed_cache
 
-from sluiceway.engines.mlx_engine import TIME_STEP, _attention_layers, _Rows
+from sluiceway.engines.mlx_engine import _attention_layers
+from sluiceway.engines.mlx_rows import TIME_STEP, Rows
 
 #: mlx-lm's caches, untyped there.
 mlx_cache: Any = typed_cache
@@ -35,7 +36,7 @@ def _positions(buffer: Any, row: int, length: int) -> list[float]:
     return [float(x) for x in np.asarray(buffer[row, 0, :length, 0])]
 
 
-def _step(rows: _Rows, marks: list[float]) -> tuple[Any, Any]:
+def _step(rows: Rows, marks: list[float]) -> tuple[Any, Any]:
     """One decode step that writes ``marks[row]`` as each row's new key."""
     caches = rows.begin(1)
     new = mx.broadcast_to(mx.array(marks)[:, None, None, None], (len(marks), HEADS, 1, DIM))
@@ -43,7 +44,7 @@ def _step(rows: _Rows, marks: list[float]) -> tuple[Any, Any]:
 
 
 def test_each_row_is_written_at_its_own_length_and_its_tail_is_masked() -> None:
-    rows = _Rows(mx, 1)
+    rows = Rows(mx, 1)
     for length, mark in ((3, 0.0), (1, 10.0), (5, 20.0)):
         rows.join(_prefilled(length, mark))
     keys, values = _step(rows, [100.0, 200.0, 300.0])
@@ -60,7 +61,7 @@ def test_each_row_is_written_at_its_own_length_and_its_tail_is_masked() -> None:
 
 
 def test_rows_of_equal_length_take_a_plain_step() -> None:
-    rows = _Rows(mx, 1)
+    rows = Rows(mx, 1)
     rows.join(_prefilled(2, 0.0))
     rows.join(_prefilled(2, 10.0))
     keys, _ = _step(rows, [100.0, 200.0])
@@ -71,7 +72,7 @@ def test_rows_of_equal_length_take_a_plain_step() -> None:
 
 
 def test_a_leaving_row_is_replaced_by_the_last_and_nothing_else_moves() -> None:
-    rows = _Rows(mx, 1)
+    rows = Rows(mx, 1)
     for length, mark in ((2, 0.0), (3, 10.0), (1, 20.0), (4, 30.0)):
         rows.join(_prefilled(length, mark))
     assert rows.leave(1) == [0, 3, 2]
@@ -84,7 +85,7 @@ def test_a_leaving_row_is_replaced_by_the_last_and_nothing_else_moves() -> None:
 
 
 def test_taken_back_positions_are_written_again() -> None:
-    rows = _Rows(mx, 1)
+    rows = Rows(mx, 1)
     rows.join(_prefilled(2, 0.0))
     rows.join(_prefilled(1, 10.0))
     _step(rows, [100.0, 200.0])
@@ -98,7 +99,7 @@ def test_taken_back_positions_are_written_again() -> None:
 
 
 def test_the_buffers_grow_past_their_first_rows_and_positions() -> None:
-    rows = _Rows(mx, 1)
+    rows = Rows(mx, 1)
     long = TIME_STEP + 10
     rows.join(_prefilled(long, 0.0))
     for mark in range(1, 12):
@@ -111,7 +112,7 @@ def test_the_buffers_grow_past_their_first_rows_and_positions() -> None:
 
 
 def test_copies_of_a_row_are_its_positions() -> None:
-    rows = _Rows(mx, 1)
+    rows = Rows(mx, 1)
     rows.join(_prefilled(4, 0.0))
     rows.join(_prefilled(6, 10.0))
     ((keys, values),) = rows.span(1, 2, 5)
