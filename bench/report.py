@@ -12,8 +12,10 @@ from loadgen import Level
 from trace_server import MARKS, Summary
 
 OURS = "sluiceway"
-#: Targets: our decode rate over the bare engine's, on the large model.
-TARGET_C1, TARGET_C16 = 0.95, 0.90
+#: Targets: our decode rate over the bare engine's, on the large model, at
+#: concurrency 1 and 16 (issue J's; issue P raised mlx's at 16 to 0.92).
+TARGETS = {"mlx": (0.95, 0.92)}
+DEFAULT_TARGETS = (0.95, 0.90)
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,7 +302,8 @@ def targets(sections: Sequence[Section]) -> list[str]:
         ours = section.run(OURS)
         name = f"{section.engine}, {section.model.key} model"
         if section.model.key == "large" and ours is not None and section.has_bare_loop:
-            for concurrency, goal in ((1, TARGET_C1), (16, TARGET_C16)):
+            goals = TARGETS.get(section.engine, DEFAULT_TARGETS)
+            for concurrency, goal in zip((1, 16), goals, strict=True):
                 level, bare = ours.level(concurrency), ours.bare_for(section, concurrency)
                 if level is None or not bare:
                     lines.append(f"- {name}: ≥ {goal} of bare at concurrency {concurrency}: n/a")
