@@ -168,7 +168,7 @@ class PrefixIndex:
         self._touch(node)
         if limit > 0:  # a request that may reuse nothing is no miss
             self.stats.lookups += 1
-            used = length if length >= max(least, 1) else 0
+            used = length if length >= least else 0
             self.stats.hits += used > 0
             self.stats.looked_up_tokens += len(tokens)
             self.stats.hit_tokens += used

@@ -623,7 +623,7 @@ class SchedulerCore:
             reuse = 0 if request.scores is not None else len(spec.prompt_ids) - 1
             least = self._config.min_prefix_reuse
             hold = request.hold = self._prefix.lookup(spec.prompt_ids, reuse, least=least)
-            if hold.length >= max(least, 1):
+            if hold.length >= least:
                 request.prefilled = request.cached = hold.length
                 request.restore = hold.entries
         self._prefilling.append(request)

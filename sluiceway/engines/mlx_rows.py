@@ -1,16 +1,8 @@
 """The mlx engine's running rows: per layer, one keys buffer and one values
 buffer ``[rows, kv_heads, capacity, head_dim]`` that the engine owns, and the
-cache objects mlx-lm's attention layers call during a step over them.
-
-Row ``i`` is the ``i``-th running slot, and every row's positions start at 0,
-so rows of different lengths sit side by side, each with a tail past its
-length that is never read. When every row holds as many positions, a step is
-a plain ``KVCache``'s (one slice written in place, one RoPE offset, no mask);
-otherwise each row's new position is scattered to its own length, RoPE takes
-an array of per-row offsets, and a boolean mask hides each row's tail. A
-freed row is overwritten by the last row, so the running rows stay the first
-rows of the buffers. The engine (:mod:`sluiceway.engines.mlx_engine`) says
-why, and how the rows are fed.
+cache objects mlx-lm's attention layers call during a step over them. How
+rows of different lengths share the buffers, and why, is the theory of
+operation of :mod:`sluiceway.engines.mlx_engine`.
 """
 
 from __future__ import annotations
