@@ -79,6 +79,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -261,25 +262,48 @@ def mlx_engine_loop(engine: Any, slots: list[int], *, ragged: bool) -> Callable[
     return start
 
 
-def engine_at(revision: str) -> Any:
-    """``MlxEngine`` as ``sluiceway/engines/mlx_engine.py`` was at git ``revision``."""
-    source = subprocess.run(
-        ["git", "show", f"{revision}:sluiceway/engines/mlx_engine.py"],
+def module_at(revision: str, path: str) -> ModuleType | None:
+    """The module at ``path`` as it was at git ``revision`` (None where the
+    file did not exist), loaded under a name of its own."""
+    shown = subprocess.run(
+        ["git", "show", f"{revision}:{path}"],
         cwd=Path(__file__).resolve().parent,
         capture_output=True,
         text=True,
-        check=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp(prefix="mlx-engine-")) / "mlx_engine.py"
-    path.write_text(source)
-    name = f"mlx_engine_at_{revision}"
-    spec = importlib.util.spec_from_file_location(name, path)
+    )
+    if shown.returncode != 0:
+        return None
+    name = f"{Path(path).stem}_at_{revision}"
+    file = Path(tempfile.mkdtemp(prefix="at-revision-")) / Path(path).name
+    file.write_text(shown.stdout)
+    spec = importlib.util.spec_from_file_location(name, file)
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
-    return module.MlxEngine
+    return module
+
+
+def engine_at(revision: str) -> Any:
+    """``MlxEngine`` as it was at git ``revision``, with the running rows of
+    that revision too (``mlx_rows.py``, where it existed then): the engine
+    imports them by name, so the current module stands aside while it loads."""
+    rows_name = "sluiceway.engines.mlx_rows"
+    current = sys.modules.get(rows_name)
+    rows = module_at(revision, "sluiceway/engines/mlx_rows.py")
+    if rows is not None:
+        sys.modules[rows_name] = rows
+    try:
+        engine = module_at(revision, "sluiceway/engines/mlx_engine.py")
+    finally:
+        if current is not None:
+            sys.modules[rows_name] = current
+        else:
+            sys.modules.pop(rows_name, None)
+    if engine is None:
+        raise SystemExit(f"no sluiceway/engines/mlx_engine.py at {revision}")
+    return engine.MlxEngine
 
 
 def compare_engine(args: argparse.Namespace) -> None:
