@@ -308,13 +308,19 @@ def _tuning(engine: Engine) -> _Tuning | None:
 @dataclass(slots=True)
 class _Tuning:
     """Times each round from one plan's arrival to the next and applies the
-    tuner's count before each step that decodes only; a step that prefills
-    runs on every thread (``ThreadTuner.most``). The tuner times decode
-    steps only, and prompt tokens are compute-bound: the 42M model's eager
-    prefill of 16, 64, 256 and 512 tokens took 1.37, 1.09, 1.23 and 1.24x as
-    long on one thread of two, and at one stream the tuner had chosen one
-    thread, so every prompt that the compiled prefill does not take (one
-    that reuses a cached prefix) paid that."""
+    tuner's count before each step. The tuner times decode steps only.
+
+    A step that prefills runs on every thread where its batch decodes
+    eagerly: prompt tokens are compute-bound (the 42M model's eager prefill
+    of 16, 64, 256 and 512 tokens took 1.37, 1.09, 1.23 and 1.24x as long
+    on one thread of two), and at one stream the tuner often keeps one
+    thread for an eager batch of one, which every prompt would then pay.
+    Where its batch (one row's, when it decodes none) has a compiled graph,
+    it runs on the batch's count instead: the graph runs on every thread
+    only, so a choice of fewer there means that another process holds a
+    core, and there prefills on every spinning OpenMP thread gave a TTFT
+    p50 of 566 ms at 16 streams against 164-189 ms on the tuner's count
+    (42M model, one busy process beside it, 2 cores)."""
 
     engine: ThreadedEngine
     tuner: ThreadTuner
@@ -331,7 +337,9 @@ class _Tuning:
         self.since = now
         self.rows = len(plan.decode)
         self.steady = not plan.prefills and not plan.cache_ops
-        wanted = self.tuner.most if plan.prefills else self.tuner.threads_for(self.rows)
+        rows = max(self.rows, 1)
+        eager = plan.prefills and not self.engine.compiles(rows)
+        wanted = self.tuner.most if eager else self.tuner.threads_for(rows)
         if wanted and wanted != self.threads:
             self.engine.set_threads(wanted)
             self.threads = wanted

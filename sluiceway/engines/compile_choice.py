@@ -98,6 +98,10 @@ def kept_buckets(verdicts: Sequence[Verdict]) -> tuple[int, ...]:
     return tuple(kept)
 
 
+#: OpenMP's settings of how idle threads wait, read by the verdict key.
+_WAITING = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
 def verdict_key(
     model_dir: Path,
     *,
@@ -109,7 +113,8 @@ def verdict_key(
 ) -> str:
     """A digest of what the verdicts depend on: the model's files (name, size,
     modification time), the dtype, the thread count, the buckets, torch, the
-    CPU, and whether the weights are prepacked (both steps' speed moves)."""
+    CPU, whether the weights are prepacked (both steps' speed moves), and
+    OpenMP's wait policy (sleeping threads slow the compiled step most)."""
     files = sorted(
         (path.name, stat.st_size, stat.st_mtime_ns)
         for path in model_dir.iterdir()
@@ -117,6 +122,7 @@ def verdict_key(
         for stat in [path.stat()]
     )
     described = [str(model_dir.resolve()), files, dtype, threads, list(buckets), torch_version]
+    described.append({name: os.environ.get(name) for name in _WAITING})
     if prepacked:  # a key of weights as loaded stays what it was before prepacking
         described.append("prepacked")
     digest = hashlib.sha256(json.dumps([*described, _cpu()]).encode())

@@ -66,12 +66,15 @@ def process_environment(name: str, compile: str = "off") -> dict[str, str]:
     (each only where the server's own environment does not set it)."""
     if name == "transformers" and compile != "off":
         from sluiceway.engines.default_model import default_cache_dir
-        from sluiceway.engines.torch_compiled import PROCESS_ENVIRONMENT as COMPILED
 
         # Inductor's own default is under /tmp, which many hosts empty at boot:
         # every bucket would then compile cold again (23-81 s each here).
-        inductor = {"TORCHINDUCTOR_CACHE_DIR": str(default_cache_dir() / "inductor")}
-        return {**COMPILED, **inductor}
+        # OpenMP's wait policy is left at libgomp's default (idle threads
+        # spin ~3 ms, then sleep): sleeping threads made the compiled step
+        # up to 2x slower on a quiet host, and where another process takes a
+        # core the child's thread tuner moves to the eager step on fewer
+        # threads (docs/engines.md, "Spinning threads").
+        return {"TORCHINDUCTOR_CACHE_DIR": str(default_cache_dir() / "inductor")}
     if name != "mlx":
         return {}
     from sluiceway.engines.mlx_engine import PROCESS_ENVIRONMENT

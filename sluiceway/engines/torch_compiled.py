@@ -49,15 +49,6 @@ from sluiceway.engines.torch_packed import ReadyLayer
 
 logger = logging.getLogger(__name__)
 
-#: The environment of a child process running the compiled step. OpenMP's
-#: idle threads sleep instead of spinning: the compiled step alternates
-#: Inductor's parallel loops and ATen's matrix products, and on a busy
-#: 2-core host spinning threads took the cores from working ones. Measured
-#: (tiny model, batch 1, 2 threads, load ~3) 9-23 ms a step spinning against
-#: 1.75 ms sleeping; the 42M model 1,347 against 21 ms (bench/bare.py,
-#: docs/engines.md). Read when OpenMP starts, so set before the process is.
-PROCESS_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
-
 #: ``--compile``'s choices (auto: :mod:`~sluiceway.engines.compile_choice`).
 MODES = ("off", "on", "auto")
 #: Row counts of the compiled graphs: a batch is padded up to the next one.

@@ -22,8 +22,8 @@ through a second graph as one batch (:meth:`CompiledPrefill.rows`): each row
 padded on the right to the longest, which is exact, since a causal mask
 keeps every real position from seeing the padding after it, and each row's
 logits taken at its own last position. Measured on the 42M benchmark model
-(2 threads, ``OMP_WAIT_POLICY=PASSIVE`` as in the engine's child, two
-processes): eight 64-token prompts took 80 and 138 ms packed eagerly into one
+(2 threads, ``OMP_WAIT_POLICY=PASSIVE``, the engine child's setting then,
+two processes): eight 64-token prompts took 80 and 138 ms packed eagerly into one
 pass, against 53 and 88 ms through this graph, and 123 and 194 ms through the
 one-row graph one by one.
 

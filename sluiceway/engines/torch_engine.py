@@ -567,6 +567,11 @@ class TransformersEngine:
         if self._device.type == "cpu":
             torch.set_num_threads(count)
 
+    def compiles(self, rows: int) -> bool:
+        """Whether ``rows`` decode rows have a compiled graph (run on every
+        thread only, :meth:`_on_every_thread`)."""
+        return self._compiled is not None and self._compiled.bucket(rows) is not None
+
     def prefill(self, slot: int, token_ids: Sequence[int], *, all_logits: bool = False) -> Logits:
         if not token_ids:
             raise ValueError("prefill needs at least one token")
@@ -603,13 +608,12 @@ class TransformersEngine:
             self._join_new(tokens)
             assert self._batch is not None
             batch, rows = self._batch, len(self._order)
-            bucket = self._compiled.bucket(rows) if self._compiled is not None else None
+            bucket = self._graph_bucket(rows)
             if bucket is not None:
                 padded = [tokens[slot] for slot in self._order] + [0] * (bucket - rows)
                 ids = torch.tensor(padded, device=self._device)[:, None]
                 assert self._compiled is not None
-                with self._graph_threads():
-                    compiled = self._compiled(ids, *batch.padded_inputs(bucket))
+                compiled = self._compiled(ids, *batch.padded_inputs(bucket))
                 if compiled is not None:
                     batch.advance(1)
                     return DecodeResult(tuple(self._order), _to_numpy(compiled[:rows]))
@@ -774,12 +778,29 @@ class TransformersEngine:
         logits: torch.Tensor = output.logits[0]
         return logits
 
+    def _graph_bucket(self, rows: int) -> int | None:
+        """The compiled decode graph's bucket for ``rows`` rows, or None to
+        decode eagerly (see :meth:`_on_every_thread`)."""
+        if self._compiled is None or not self._on_every_thread():
+            return None
+        return self._compiled.bucket(rows)
+
+    def _on_every_thread(self) -> bool:
+        """Whether the step about to run has the engine's whole thread count,
+        which a compiled graph needs. On fewer (the child's tuner chose them
+        for this batch size) the step is eager, so that the tuner's choice of
+        fewer threads is a choice of the eager step on them. Where another
+        process keeps a core busy, a compiled step's parallel loops wait for
+        a thread that has no core, and the eager step on one thread is
+        faster; the tuner times both and keeps that one. A graph never runs
+        on another count: Dynamo guards it on the count and would compile it
+        again, on a request (measured: a 4.9 s first token)."""
+        return self._device.type != "cpu" or torch.get_num_threads() == self._threads
+
     @contextlib.contextmanager
     def _graph_threads(self) -> Iterator[None]:
-        """Run a compiled graph on the engine's whole thread count, whatever
-        count the child process's tuner set for eager steps: Dynamo guards a
-        graph on the thread count, so a graph run on another count compiles
-        again, on a request (measured: a 4.9 s first token)."""
+        """Compile or warm a graph on the engine's whole thread count, the
+        only count it runs on (:meth:`_on_every_thread`)."""
         current = torch.get_num_threads()
         if self._device.type != "cpu" or current == self._threads:
             yield
@@ -796,8 +817,9 @@ class TransformersEngine:
         graph, length = self._compiled_prefill, ids.shape[1]
         if graph is None or not graph.active or rows.window or length < PREFILL_MIN_LENGTH:
             return None
-        with self._graph_threads():
-            prefilled = graph(ids)
+        if not self._on_every_thread():
+            return None
+        prefilled = graph(ids)
         if prefilled is None:
             return None
         logits, keys, values = prefilled
@@ -813,10 +835,9 @@ class TransformersEngine:
         graph, lengths = self._compiled_prefill, [len(chunk) for chunk in ids]
         if graph is None or not graph.rows_active or any(rows.window for rows in parts):
             return None
-        if not fits_prefill_rows(lengths):
+        if not fits_prefill_rows(lengths) or not self._on_every_thread():
             return None
-        with self._graph_threads():
-            prefilled = graph.rows(ids, self._device)
+        prefilled = graph.rows(ids, self._device)
         if prefilled is None:
             return None
         logits, keys, values = prefilled

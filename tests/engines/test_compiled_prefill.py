@@ -127,23 +127,45 @@ def test_a_graph_that_fails_is_given_up_for_good(
     engine.close()
 
 
-def test_graphs_run_on_the_engines_thread_count_whatever_the_tuner_set(
-    tiny_model: ModelSource, monkeypatch: pytest.MonkeyPatch
+class _Counted:
+    """The compiled decode step, counting its runs."""
+
+    def __init__(self, step: Any) -> None:
+        self.step, self.runs = step, 0
+
+    def bucket(self, rows: int) -> int | None:
+        return self.step.bucket(rows)  # type: ignore[no-any-return]
+
+    def __call__(self, *args: Any) -> Any:
+        self.runs += 1
+        return self.step(*args)
+
+
+def test_graphs_run_only_on_the_engines_whole_thread_count(
+    tiny_model: ModelSource, eager: TransformersEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Dynamo guards a graph on the thread count: a graph run on the count
-    the child's tuner chose for eager steps would compile again, on a request."""
+    """On the fewer threads the child's tuner chose, a step is eager: the
+    tuner's choice is one of the eager step on fewer threads (where another
+    process takes a core, the faster), and Dynamo guards a graph on the
+    thread count, so a graph run there would compile again, on a request."""
     from torch._dynamo.utils import counters
 
     engine = _engine(tiny_model, monkeypatch, "eager", threads=2)
+    step = _Counted(engine._compiled)
+    engine._compiled = step  # type: ignore[assignment]
     try:
         greedy_alone(engine, prompt(11, 6), 3)  # the prefill and bucket 1, on 2 threads
-        graphs = counters["stats"]["unique_graphs"]
-        runs = _runs(engine)
+        graphs, runs, steps = counters["stats"]["unique_graphs"], _runs(engine), step.runs
+        assert (runs, steps) == (1, 2)
         engine.set_threads(1)
-        greedy_alone(engine, prompt(12, 7), 3)
-        assert _runs(engine) == runs + 1
+        tokens = prompt(12, 7)
+        assert_same_trace(greedy_alone(engine, tokens, 3), greedy_alone(eager, tokens, 3), "1")
+        assert (_runs(engine), step.runs) == (runs, steps)  # eager on 1 thread
         assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled again
         assert torch.get_num_threads() == 1  # the eager steps keep the tuner's count
+        engine.set_threads(2)
+        greedy_alone(engine, prompt(13, 8), 3)
+        assert (_runs(engine), step.runs) == (runs + 1, steps + 2)
     finally:
         engine.set_threads(2)
         engine.close()

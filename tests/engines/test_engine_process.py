@@ -319,10 +319,7 @@ def test_the_child_starts_with_the_engines_environment(monkeypatch: pytest.Monke
     assert os.environ["SLUICEWAY_TEST_KEPT"] == "parent"
     assert "OPENBLAS_THREAD_TIMEOUT" in process_environment("mlx")
     assert process_environment("transformers") == {}
-    compiled = {
-        "OMP_WAIT_POLICY": "PASSIVE",
-        "TORCHINDUCTOR_CACHE_DIR": str(default_cache_dir() / "inductor"),
-    }
+    compiled = {"TORCHINDUCTOR_CACHE_DIR": str(default_cache_dir() / "inductor")}
     assert process_environment("transformers", "on") == compiled
     assert process_environment("transformers", "auto") == compiled
     assert process_environment("mlx", "on") == process_environment("mlx")
@@ -331,7 +328,7 @@ def test_the_child_starts_with_the_engines_environment(monkeypatch: pytest.Monke
 class _Threaded:
     """An engine stand-in with a thread count (only what the tuning reads)."""
 
-    def __init__(self, threads: int, *, tunable: bool = True) -> None:
+    def __init__(self, threads: int, *, tunable: bool = True, compiled: int = 0) -> None:
         from sluiceway.engines.base import EngineInfo
 
         self.info = EngineInfo(
@@ -344,11 +341,16 @@ class _Threaded:
         )
         self.threads = threads
         self.tunable = tunable
+        #: Decode batches up to this many rows have a compiled graph.
+        self.compiled = compiled
         self.calls: list[int] = []
 
     def set_threads(self, count: int) -> None:
         self.threads = count
         self.calls.append(count)
+
+    def compiles(self, rows: int) -> bool:
+        return rows <= self.compiled
 
 
 def test_the_child_tunes_its_threads_only_where_the_engine_may_choose() -> None:
@@ -366,28 +368,51 @@ def test_the_tuning_times_each_round_and_applies_the_faster_count() -> None:
     """A round is the time from one plan to the next; on a host where one
     thread fewer is faster, the child moves to it. A call between steps
     (a prefix-cache copy, a memory release) is not counted as a round. A
-    step that prefills runs on every thread, and the decode after it on the
-    tuner's count again."""
-    from sluiceway.actors.engine_process import _Tuning
-    from sluiceway.actors.thread_tuner import ThreadTuner
-
+    step that prefills runs on every thread where its batch decodes
+    eagerly, and the decode after it on the tuner's count again."""
     engine = _Threaded(2)
-    now = [0.0]
-    tuning = _Tuning(engine, ThreadTuner(2), 2, clock=lambda: now[0])
-    plan = StepPlan(decode=dict.fromkeys(range(4), 1))
-    for _ in range(200):
-        tuning.before(plan)
-        now[0] += 0.010 if engine.threads == 2 else 0.006
-    assert engine.calls[-1] == 1
-    assert engine.threads == 1
+    tuning = _tuned(engine)
     # After a pause the first round has nothing to be timed against.
     tuning.pause()
     assert tuning.since is None
-    tuning.before(
-        StepPlan(prefills=(PrefillWork(request_id="r", slot=9, tokens=(1, 2), final=True),))
-    )
+    tuning.before(StepPlan(prefills=_PREFILL))
     assert tuning.rows == 0
     assert not tuning.steady
     assert engine.threads == 2
-    tuning.before(plan)
+    tuning.before(_FOUR_ROWS)
     assert engine.threads == 1
+
+
+_FOUR_ROWS = StepPlan(decode=dict.fromkeys(range(4), 1))
+_PREFILL = (PrefillWork(request_id="r", slot=9, tokens=(1, 2), final=True),)
+
+
+def _tuned(engine: _Threaded, *, faster: int = 1) -> Any:
+    """A tuning whose steps of four rows ran faster on ``faster`` threads."""
+    from sluiceway.actors.engine_process import _Tuning
+    from sluiceway.actors.thread_tuner import ThreadTuner
+
+    now = [0.0]
+    tuning = _Tuning(engine, ThreadTuner(2), 2, clock=lambda: now[0])
+    for _ in range(200):
+        tuning.before(_FOUR_ROWS)
+        now[0] += 0.006 if engine.threads == faster else 0.010
+    assert engine.threads == faster
+    return tuning
+
+
+def test_a_prefill_follows_the_count_of_a_compiled_batch() -> None:
+    """A compiled graph runs on every thread only, so a compiled batch whose
+    choice is fewer threads decodes eagerly on them: another process holds
+    a core, and prefills on every spinning thread beside it tripled the
+    TTFT at 16 streams. The prefill follows the batch's count there, and
+    one row's count when it decodes none."""
+    engine = _Threaded(2, compiled=8)
+    tuning = _tuned(engine)
+    for decode in (_FOUR_ROWS.decode, {}):
+        tuning.before(StepPlan(decode=decode, prefills=_PREFILL))
+        assert engine.threads == 1
+    engine = _Threaded(2, compiled=8)
+    tuning = _tuned(engine, faster=2)
+    tuning.before(StepPlan(decode=_FOUR_ROWS.decode, prefills=_PREFILL))
+    assert engine.threads == 2

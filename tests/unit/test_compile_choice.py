@@ -100,6 +100,20 @@ def test_the_key_follows_the_model_files_and_the_settings(tmp_path: Path) -> Non
     assert verdict_key(other, **base) != key  # type: ignore[arg-type]
 
 
+def test_the_key_follows_openmps_wait_policy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model(tmp_path)
+    base = {"dtype": "float32", "threads": 2, "torch_version": "2.13.0", "buckets": (1, 2)}
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    spinning = verdict_key(model, **base)  # type: ignore[arg-type]
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    sleeping = verdict_key(model, **base)  # type: ignore[arg-type]
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    assert len({spinning, sleeping, verdict_key(model, **base)}) == 3  # type: ignore[arg-type]
+
+
 def test_the_store_keeps_verdicts_and_reads_nothing_from_a_bad_file(tmp_path: Path) -> None:
     store = VerdictStore(tmp_path / "compile")
     assert store.load("k") is None
