@@ -308,19 +308,21 @@ def _tuning(engine: Engine) -> _Tuning | None:
 @dataclass(slots=True)
 class _Tuning:
     """Times each round from one plan's arrival to the next and applies the
-    tuner's count before each step. The tuner times decode steps only.
+    tuner's count before each step. The tuner times decode steps only; a
+    step that prefills runs on the count chosen for the batch it decodes
+    (one row's when it decodes none).
 
-    A step that prefills runs on every thread where its batch decodes
-    eagerly: prompt tokens are compute-bound (the 42M model's eager prefill
-    of 16, 64, 256 and 512 tokens took 1.37, 1.09, 1.23 and 1.24x as long
-    on one thread of two), and at one stream the tuner often keeps one
-    thread for an eager batch of one, which every prompt would then pay.
-    Where its batch (one row's, when it decodes none) has a compiled graph,
-    it runs on the batch's count instead: the graph runs on every thread
-    only, so a choice of fewer there means that another process holds a
-    core, and there prefills on every spinning OpenMP thread gave a TTFT
-    p50 of 566 ms at 16 streams against 164-189 ms on the tuner's count
-    (42M model, one busy process beside it, 2 cores)."""
+    Prompt tokens are compute-bound (the 42M model's eager prefill of 16,
+    64, 256 and 512 tokens took 1.37, 1.09, 1.23 and 1.24x as long on one
+    thread of two), so from 28 Nov to 7 Dec a prefill ran on every thread
+    whatever the tuner chose. Since the engine's OpenMP threads spin while
+    idle, that is ruinous where another process holds a core: beside one,
+    prefills on every thread gave a TTFT p50 of 566 ms at 16 streams
+    against 164-189 ms on the tuner's count (42M model, 2 cores). On a
+    quiet host the tuner keeps every thread for a compiled batch (its
+    graph runs on every thread only), so the prefills that pay are those
+    of an eager batch whose steps are faster on fewer threads.
+    """
 
     engine: ThreadedEngine
     tuner: ThreadTuner
@@ -337,9 +339,7 @@ class _Tuning:
         self.since = now
         self.rows = len(plan.decode)
         self.steady = not plan.prefills and not plan.cache_ops
-        rows = max(self.rows, 1)
-        eager = plan.prefills and not self.engine.compiles(rows)
-        wanted = self.tuner.most if eager else self.tuner.threads_for(rows)
+        wanted = self.tuner.threads_for(max(self.rows, 1))
         if wanted and wanted != self.threads:
             self.engine.set_threads(wanted)
             self.threads = wanted

@@ -83,11 +83,6 @@ class ThreadedEngine(Protocol):
 
     def set_threads(self, count: int) -> None: ...
 
-    def compiles(self, rows: int) -> bool:
-        """Whether a decode step of ``rows`` rows runs a compiled graph (on
-        every thread only: on fewer it is eager)."""
-        ...
-
 
 @dataclass(slots=True)
 class _Bucket:

@@ -567,11 +567,6 @@ class TransformersEngine:
         if self._device.type == "cpu":
             torch.set_num_threads(count)
 
-    def compiles(self, rows: int) -> bool:
-        """Whether ``rows`` decode rows have a compiled graph (run on every
-        thread only, :meth:`_on_every_thread`)."""
-        return self._compiled is not None and self._compiled.bucket(rows) is not None
-
     def prefill(self, slot: int, token_ids: Sequence[int], *, all_logits: bool = False) -> Logits:
         if not token_ids:
             raise ValueError("prefill needs at least one token")

@@ -328,7 +328,7 @@ def test_the_child_starts_with_the_engines_environment(monkeypatch: pytest.Monke
 class _Threaded:
     """An engine stand-in with a thread count (only what the tuning reads)."""
 
-    def __init__(self, threads: int, *, tunable: bool = True, compiled: int = 0) -> None:
+    def __init__(self, threads: int, *, tunable: bool = True) -> None:
         from sluiceway.engines.base import EngineInfo
 
         self.info = EngineInfo(
@@ -341,16 +341,11 @@ class _Threaded:
         )
         self.threads = threads
         self.tunable = tunable
-        #: Decode batches up to this many rows have a compiled graph.
-        self.compiled = compiled
         self.calls: list[int] = []
 
     def set_threads(self, count: int) -> None:
         self.threads = count
         self.calls.append(count)
-
-    def compiles(self, rows: int) -> bool:
-        return rows <= self.compiled
 
 
 def test_the_child_tunes_its_threads_only_where_the_engine_may_choose() -> None:
@@ -367,9 +362,7 @@ def test_the_child_tunes_its_threads_only_where_the_engine_may_choose() -> None:
 def test_the_tuning_times_each_round_and_applies_the_faster_count() -> None:
     """A round is the time from one plan to the next; on a host where one
     thread fewer is faster, the child moves to it. A call between steps
-    (a prefix-cache copy, a memory release) is not counted as a round. A
-    step that prefills runs on every thread where its batch decodes
-    eagerly, and the decode after it on the tuner's count again."""
+    (a prefix-cache copy, a memory release) is not counted as a round."""
     engine = _Threaded(2)
     tuning = _tuned(engine)
     # After a pause the first round has nothing to be timed against.
@@ -378,9 +371,6 @@ def test_the_tuning_times_each_round_and_applies_the_faster_count() -> None:
     tuning.before(StepPlan(prefills=_PREFILL))
     assert tuning.rows == 0
     assert not tuning.steady
-    assert engine.threads == 2
-    tuning.before(_FOUR_ROWS)
-    assert engine.threads == 1
 
 
 _FOUR_ROWS = StepPlan(decode=dict.fromkeys(range(4), 1))
@@ -401,18 +391,16 @@ def _tuned(engine: _Threaded, *, faster: int = 1) -> Any:
     return tuning
 
 
-def test_a_prefill_follows_the_count_of_a_compiled_batch() -> None:
-    """A compiled graph runs on every thread only, so a compiled batch whose
-    choice is fewer threads decodes eagerly on them: another process holds
-    a core, and prefills on every spinning thread beside it tripled the
-    TTFT at 16 streams. The prefill follows the batch's count there, and
-    one row's count when it decodes none."""
-    engine = _Threaded(2, compiled=8)
-    tuning = _tuned(engine)
-    for decode in (_FOUR_ROWS.decode, {}):
-        tuning.before(StepPlan(decode=decode, prefills=_PREFILL))
-        assert engine.threads == 1
-    engine = _Threaded(2, compiled=8)
-    tuning = _tuned(engine, faster=2)
-    tuning.before(StepPlan(decode=_FOUR_ROWS.decode, prefills=_PREFILL))
-    assert engine.threads == 2
+def test_a_prefill_runs_on_the_count_of_the_batch_it_joins() -> None:
+    """Where one thread fewer decodes faster (another process holds a core,
+    and OpenMP's threads spin), prefills on every thread tripled the TTFT at
+    16 streams: a prefill follows the batch's count, and one row's count
+    when it decodes none (a new bucket starts on its nearest decided one's)."""
+    for faster in (1, 2):
+        engine = _Threaded(2)
+        tuning = _tuned(engine, faster=faster)
+        for decode in (_FOUR_ROWS.decode, {}):
+            tuning.before(StepPlan(decode=decode, prefills=_PREFILL))
+            assert engine.threads == faster
+        tuning.before(_FOUR_ROWS)
+        assert engine.threads == faster
