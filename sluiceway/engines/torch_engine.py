@@ -792,20 +792,6 @@ class TransformersEngine:
         again, on a request (measured: a 4.9 s first token)."""
         return self._device.type != "cpu" or torch.get_num_threads() == self._threads
 
-    @contextlib.contextmanager
-    def _graph_threads(self) -> Iterator[None]:
-        """Compile or warm a graph on the engine's whole thread count, the
-        only count it runs on (:meth:`_on_every_thread`)."""
-        current = torch.get_num_threads()
-        if self._device.type != "cpu" or current == self._threads:
-            yield
-            return
-        torch.set_num_threads(self._threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(current)
-
     def _graph_prefill(self, rows: KVRows, ids: torch.Tensor) -> torch.Tensor | None:
         """A fresh row's chunk through the compiled prefill, its keys and
         values copied into ``rows``; None where the graph does not apply."""
@@ -888,7 +874,7 @@ class TransformersEngine:
         length is a size torch specialises). Three rows, two lengths: sizes
         that differ, so that Dynamo ties no two of them together."""
         prompts = list(scratch_prompts(3, self._info.vocab_size, length=PREFILL_SCRATCH))
-        with torch.inference_mode(), self._graph_threads():
+        with torch.inference_mode():
             graph.rows(prompts, self._device)
             graph.rows([prompts[0][:-4], *prompts[1:]], self._device)
 
