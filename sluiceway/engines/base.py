@@ -197,6 +197,13 @@ class PackingEngine(Protocol):
         (:meth:`Engine.undo_decode`) takes back its decode only."""
         ...
 
+    def prefills_apart(self, chunks: Sequence[tuple[int, int]]) -> bool:
+        """Whether new prompts' chunks, given as ``(slot, length)``, are
+        cheaper prefilled in passes of their own, with the decode run on its
+        own after them, than packed into the decode's pass: true where those
+        passes run a faster prefill than a decode step can carry."""
+        ...
+
 
 def config_max_context(config: Mapping[str, Any]) -> int:
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):

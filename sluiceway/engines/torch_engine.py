@@ -116,6 +116,15 @@ ROW_STEP = 8
 #: 42M-parameter bench model). Larger ones, left by long or many rows, are
 #: given back.
 KEEP_IDLE_BATCH_BYTES = 256 * 2**20
+#: The fewest new prompt tokens that the compiled prefill takes apart from a
+#: decode (:meth:`TransformersEngine.prefills_apart`). The compiled pass saves
+#: a share of their arithmetic, the decode's own pass costs a step's fixed
+#: part, so few tokens stay packed. Measured on the 42M bench model (engine
+#: alone, 64-token prompts, a busy 2-core host): with 1-64 rows decoding,
+#: one prompt apart took 1.46-1.92x as long as packed, three 0.97-1.19x,
+#: seven 0.83-0.95x, fifteen 0.73-0.94x; an earlier session found six with
+#: 16 rows no faster. As built, 8-31 prompts took 0.75-0.90x (docs/engines.md).
+APART_MIN_TOKENS = 512
 
 DTYPES: Mapping[str, torch.dtype] = {
     "float32": torch.float32,
@@ -624,6 +633,25 @@ class TransformersEngine:
         """Whether :meth:`decode_prefilling` may be called: the CPU attention
         path of ours, on a model whose every layer sees the whole past."""
         return self._packable
+
+    def prefills_apart(self, chunks: Sequence[tuple[int, int]]) -> bool:
+        """Whether new prompts' chunks ``(slot, length)`` take the compiled
+        prefill in a pass of their own rather than the eager pass of a decode
+        they would be packed into: where the graph applies to them all (fresh
+        rows, on every thread) and they hold :data:`APART_MIN_TOKENS` or more."""
+        graph, lengths = self._compiled_prefill, [length for _, length in chunks]
+        if graph is None or sum(lengths) < APART_MIN_TOKENS or not self._on_every_thread():
+            return False
+        if any(slot in self._order or self._pending_window(slot) for slot, _ in chunks):
+            return False
+        if len(lengths) == 1:
+            return graph.active and lengths[0] >= PREFILL_MIN_LENGTH
+        return graph.rows_active and fits_prefill_rows(lengths)
+
+    def _pending_window(self, slot: int) -> int:
+        """Positions a prefilled slot waiting to decode holds already."""
+        rows = self._pending.get(slot)
+        return 0 if rows is None else rows.window
 
     def decode_prefilling(
         self, tokens: Mapping[int, int], chunks: Sequence[tuple[int, Sequence[int]]]

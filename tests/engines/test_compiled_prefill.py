@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from sluiceway.actors.engine_work import PrefillWork, StepPlan, execute
 from sluiceway.engines import torch_engine
 from sluiceway.engines.loader import ModelSource
 from sluiceway.engines.torch_compiled import CompiledStep
@@ -286,3 +287,43 @@ def test_inductors_batch_graph_prefills_as_the_eager_forward(
         assert_same_traces(got, prefilled_together(eager, prompts, 4))
     assert graph.rows_active, graph.rows_failure
     assert graph.runs == before + 9
+
+
+def test_enough_new_prompts_are_prefilled_apart_from_a_decode(
+    traced: TransformersEngine, eager: TransformersEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that decodes and prefills new prompts holding enough tokens
+    runs them through the batch graph, and its decode on its own: the same
+    logits as the eager engine's one packed pass. Too few tokens, or a row
+    with a past, stay packed with the decode."""
+    monkeypatch.setattr(torch_engine, "APART_MIN_TOKENS", 40)
+    assert not traced.prefills_apart([(1, 20)])
+    assert traced.prefills_apart([(1, 20), (2, 22)])
+    assert not traced.prefills_apart([(1, 20), (2, 40)])  # past the padding the graph takes
+    traced.prefill(3, prompt(31, 5))
+    assert not traced.prefills_apart([(3, 20), (2, 22)])  # row 3 holds a past
+    traced.free(3)
+    assert not eager.prefills_apart([(1, 20), (2, 22)])  # no graph to take them
+    outcomes, runs = [], _runs(traced)
+    for engine in (traced, eager):
+        first = engine.prefill(0, prompt(32, 6))[-1]
+        works = tuple(
+            PrefillWork(
+                request_id=str(slot), slot=slot, tokens=tuple(prompt(32 + slot, n)), final=True
+            )
+            for slot, n in ((1, 20), (2, 22))
+        )
+        plan = StepPlan(decode={0: int(first.argmax())}, greedy=True, prefills=works)
+        outcomes.append(execute(engine, plan, pack=True))
+        for slot in (0, 1, 2):
+            engine.free(slot)
+    assert _runs(traced) == runs + 3  # row 0's prompt, then the two taken apart
+    got, want = outcomes
+    assert got.decode is not None
+    assert want.decode is not None
+    pairs = [(got.decode.logits, want.decode.logits)]
+    pairs += [(g.logits, w.logits) for g, w in zip(got.prefills, want.prefills, strict=True)]
+    for mine, theirs in pairs:
+        assert mine is not None
+        assert theirs is not None
+        assert float(np.max(np.abs(log_softmax(mine) - log_softmax(theirs)))) < 1e-4

@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluiceway.actors.engine_work import (
+    APART_TOKENS,
     PACKED_TOKENS,
     PrefillOutcome,
     PrefillWork,
@@ -368,9 +369,17 @@ class PackingHistoryEngine(HistoryEngine):
 
     packs_prefills = True
 
-    def __init__(self) -> None:
+    def __init__(self, apart: bool = False) -> None:
         super().__init__()
         self.packed_calls = 0
+        #: What :meth:`prefills_apart` answers, and the chunks it was asked about.
+        self.apart, self.asked_apart = apart, 0
+        #: Each pass's decoded rows and chunk tokens, in order.
+        self.passes: list[tuple[int, int]] = []
+
+    def prefills_apart(self, chunks: Sequence[tuple[int, int]]) -> bool:
+        self.asked_apart += 1
+        return self.apart
 
     def decode_prefilling(
         self, tokens: Mapping[int, int], chunks: Sequence[tuple[int, Sequence[int]]]
@@ -379,6 +388,7 @@ class PackingHistoryEngine(HistoryEngine):
         assert not set(tokens) & set(slots)
         assert len(set(slots)) == len(slots), "one chunk per slot in a pass"
         self.packed_calls += 1
+        self.passes.append((len(tokens), sum(len(ids) for _, ids in chunks)))
         last = [self.prefill(slot, ids) for slot, ids in chunks]
         if not tokens:  # a pass that only prefills
             return DecodeResult((), np.zeros((0, VOCAB), dtype=np.float32)), last
@@ -400,7 +410,7 @@ class PackedSchedule(Schedule):
 def test_packing_prefills_into_the_step_ahead_is_invisible(draw: st.DataObject, steps: int) -> None:
     """Each deferred prefill's outcome, when it comes a step late, is the
     one the plan would have given; everything else is as without packing."""
-    plain, ahead = HistoryEngine(), PackingHistoryEngine()
+    plain, ahead = HistoryEngine(), PackingHistoryEngine(apart=draw.draw(st.booleans()))
     runner = RunAhead(ahead)
     schedule = PackedSchedule(draw)
     owed: list[tuple[PrefillWork, PrefillOutcome]] = []
@@ -590,6 +600,73 @@ def test_a_burst_of_prompts_is_packed_into_as_few_passes_as_fit() -> None:
         assert theirs.greedy is not None
         assert mine.greedy.tolist() == theirs.greedy.tolist()
     assert engine.histories == plain.histories
+
+
+def _burst(size: int, count: int) -> tuple[PrefillWork, ...]:
+    return tuple(
+        PrefillWork(request_id=f"r{slot}", slot=slot, tokens=(slot % 7,) * size, final=True)
+        for slot in range(1, count + 1)
+    )
+
+
+def test_prompts_the_engine_takes_apart_skip_the_decodes_pass() -> None:
+    """Where the engine prefills new prompts faster in passes of their own
+    (:meth:`~sluiceway.engines.base.PackingEngine.prefills_apart`), they go
+    in passes of up to ``APART_TOKENS`` tokens with no decode, and the
+    plan's decode runs on its own after them: the same outcome."""
+    engine, plain = PackingHistoryEngine(apart=True), HistoryEngine()
+    for each in (engine, plain):
+        each.prefill(0, [1])
+    works = _burst(APART_TOKENS // 8, 9)
+    plan = StepPlan(decode={0: 2}, greedy=True, prefills=works)
+    got = execute(engine, plan, pack=True)
+    expected = execute(plain, plan)
+    # Eight prompts fill a pass; the ninth alone saves no pass, so it takes its own.
+    assert engine.passes == [(0, APART_TOKENS)]
+    assert (engine.asked_apart, engine.decodes) == (1, 1)
+    same_outcome(expected, got)
+    assert engine.histories == plain.histories
+
+
+def test_a_step_ahead_takes_apart_what_the_engine_asks() -> None:
+    """The step decoded ahead, with deferred prompts the engine takes apart:
+    their passes first, then the decode, which is served to the next plan."""
+    engine, plain = PackingHistoryEngine(apart=True), HistoryEngine()
+    runner, token = _one_row_ahead(engine, plain)
+    works = _burst(APART_TOKENS // 4, 6)
+    plan = StepPlan(decode={0: token}, greedy=True, prefills=works)
+    outcome = runner.execute(plan)
+    execute(plain, plan)
+    assert all(p.deferred for p in outcome.prefills)
+    runner.run_ahead(plan, outcome)
+    assert engine.passes == [(0, APART_TOKENS), (0, APART_TOKENS // 2)]
+    assert runner.packed == 6
+    assert outcome.decode_greedy is not None
+    following = {0: int(outcome.decode_greedy[0])}
+    outcome = runner.execute(StepPlan(decode=following, greedy=True))
+    execute(plain, StepPlan(decode=following, greedy=True))
+    assert (runner.served, runner.taken_back) == (2, 0)
+    for work, late in zip(works, outcome.late, strict=True):
+        np.testing.assert_array_equal(late.logits, _logits_after(plain.histories[work.slot])[None])
+    runner.settle()
+    assert engine.histories == plain.histories
+
+
+def test_a_decode_alone_that_fails_reaches_only_its_rows() -> None:
+    """The decode run after the prompts taken apart fails: the prompts keep
+    their prefill, the batch's requests get the decode's error."""
+
+    class Failing(PackingHistoryEngine):
+        def decode(self, tokens: Mapping[int, int]) -> DecodeResult:
+            raise RuntimeError("out of memory")
+
+    engine = Failing(apart=True)
+    engine.prefill(0, [1])
+    works = _burst(APART_TOKENS // 8, 8)
+    got = execute(engine, StepPlan(decode={0: 2}, greedy=True, prefills=works), pack=True)
+    assert got.decode is None
+    assert got.decode_error == "decode failed: out of memory"
+    assert all(p.error is None and p.logits is not None for p in got.prefills)
 
 
 class ChainingHistoryEngine(HistoryEngine):

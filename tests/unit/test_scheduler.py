@@ -304,6 +304,11 @@ class PackingFakeEngine(FakeEngine):
 
     packs_prefills: bool = True
     pending: set[int] = field(default_factory=set)
+    #: What :meth:`prefills_apart` answers.
+    apart: bool = False
+
+    def prefills_apart(self, chunks: Sequence[tuple[int, int]]) -> bool:
+        return self.apart
 
     def prefill(self, slot: int, token_ids: Sequence[int], *, all_logits: bool = False) -> Logits:
         self.pending.add(slot)
