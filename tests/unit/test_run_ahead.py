@@ -508,27 +508,52 @@ def test_a_served_plan_defers_more_prompts_than_one_pass_takes() -> None:
     prefills them in passes of at most ``PACKED_TOKENS`` tokens, the first
     with its decode, as a plan would."""
     engine, plain = PackingHistoryEngine(), HistoryEngine()
-    runner, token = _one_row_ahead(engine, plain)
-    size = PACKED_TOKENS // 4
-    works = tuple(
-        PrefillWork(request_id=f"r{slot}", slot=slot, tokens=(slot % 7,) * size, final=True)
-        for slot in range(1, 10)
-    )
-    plan = StepPlan(decode={0: token}, greedy=True, prefills=works)
-    outcome = runner.execute(plan)
-    execute(plain, plan)
-    assert all(p.deferred for p in outcome.prefills)
+    works = _burst(PACKED_TOKENS // 4, 9)
+    runner, plan, outcome = _deferred_burst(engine, plain, works)
     assert engine.packed_calls == 0, "nothing prefilled before the reply"
     runner.run_ahead(plan, outcome)
     # 4 + 4 + 1 prompts: the first four with the decode ahead.
     assert engine.packed_calls == 2
     assert runner.packed == 9
+    _serve_the_late(runner, engine, plain, outcome, works)
+
+
+def _burst(size: int, count: int) -> tuple[PrefillWork, ...]:
+    return tuple(
+        PrefillWork(request_id=f"r{slot}", slot=slot, tokens=(slot % 7,) * size, final=True)
+        for slot in range(1, count + 1)
+    )
+
+
+def _deferred_burst(
+    engine: HistoryEngine, plain: HistoryEngine, works: tuple[PrefillWork, ...]
+) -> tuple[RunAhead, StepPlan, StepOutcome]:
+    """Row 0 decoded ahead on ``engine``, then a plan that brings ``works``,
+    run on both engines: on ``engine`` every one of them is deferred."""
+    runner, token = _one_row_ahead(engine, plain)
+    plan = StepPlan(decode={0: token}, greedy=True, prefills=works)
+    outcome = runner.execute(plan)
+    execute(plain, plan)
+    assert all(p.deferred for p in outcome.prefills)
+    return runner, plan, outcome
+
+
+def _serve_the_late(
+    runner: RunAhead,
+    engine: HistoryEngine,
+    plain: HistoryEngine,
+    outcome: StepOutcome,
+    works: tuple[PrefillWork, ...],
+) -> None:
+    """The next plan, served from the step decoded ahead: each deferred
+    prompt's outcome comes with it, as the plain path's, and both engines
+    end with the same caches."""
     assert outcome.decode_greedy is not None
     following = {0: int(outcome.decode_greedy[0])}
     outcome = runner.execute(StepPlan(decode=following, greedy=True))
     execute(plain, StepPlan(decode=following, greedy=True))
     assert (runner.served, runner.taken_back) == (2, 0)
-    assert len(outcome.late) == 9
+    assert len(outcome.late) == len(works)
     for work, late in zip(works, outcome.late, strict=True):
         np.testing.assert_array_equal(late.logits, _logits_after(plain.histories[work.slot])[None])
     runner.settle()
@@ -602,13 +627,6 @@ def test_a_burst_of_prompts_is_packed_into_as_few_passes_as_fit() -> None:
     assert engine.histories == plain.histories
 
 
-def _burst(size: int, count: int) -> tuple[PrefillWork, ...]:
-    return tuple(
-        PrefillWork(request_id=f"r{slot}", slot=slot, tokens=(slot % 7,) * size, final=True)
-        for slot in range(1, count + 1)
-    )
-
-
 def test_prompts_the_engine_takes_apart_skip_the_decodes_pass() -> None:
     """Where the engine prefills new prompts faster in passes of their own
     (:meth:`~sluiceway.engines.base.PackingEngine.prefills_apart`), they go
@@ -632,24 +650,12 @@ def test_a_step_ahead_takes_apart_what_the_engine_asks() -> None:
     """The step decoded ahead, with deferred prompts the engine takes apart:
     their passes first, then the decode, which is served to the next plan."""
     engine, plain = PackingHistoryEngine(apart=True), HistoryEngine()
-    runner, token = _one_row_ahead(engine, plain)
     works = _burst(APART_TOKENS // 4, 6)
-    plan = StepPlan(decode={0: token}, greedy=True, prefills=works)
-    outcome = runner.execute(plan)
-    execute(plain, plan)
-    assert all(p.deferred for p in outcome.prefills)
+    runner, plan, outcome = _deferred_burst(engine, plain, works)
     runner.run_ahead(plan, outcome)
     assert engine.passes == [(0, APART_TOKENS), (0, APART_TOKENS // 2)]
     assert runner.packed == 6
-    assert outcome.decode_greedy is not None
-    following = {0: int(outcome.decode_greedy[0])}
-    outcome = runner.execute(StepPlan(decode=following, greedy=True))
-    execute(plain, StepPlan(decode=following, greedy=True))
-    assert (runner.served, runner.taken_back) == (2, 0)
-    for work, late in zip(works, outcome.late, strict=True):
-        np.testing.assert_array_equal(late.logits, _logits_after(plain.histories[work.slot])[None])
-    runner.settle()
-    assert engine.histories == plain.histories
+    _serve_the_late(runner, engine, plain, outcome, works)
 
 
 def test_a_decode_alone_that_fails_reaches_only_its_rows() -> None:
