@@ -342,7 +342,8 @@ def execute(
     of the plan; ``defer``: which prefills to leave for the step decoded
     ahead next (see :mod:`sluiceway.actors.run_ahead`); ``pack``: the engine
     packs chunks into one forward pass (:func:`packed_pass`), with the
-    plan's decode if it is still to run."""
+    plan's decode if it is still to run, unless it takes them apart from
+    the decode (:func:`_apart`)."""
     if not (plan.cache_ops or plan.frees or plan.prefills):
         # The steady step: nothing but a decode. Skipping the machinery
         # below saves the engine's process ~4 µs a step (17.7 -> 13.8 µs
@@ -383,9 +384,10 @@ def packed_passes(
 ) -> tuple[DecodeResult | None, list[PrefillOutcome]]:
     """Decode ``tokens`` (if any) and prefill ``works`` (each
     :func:`packable`, one per slot) in as few forward passes as
-    :data:`PACKED_TOKENS` allows, the decode in the first; returns the
-    decode's result (None without one, or when its pass failed) and each
-    chunk's outcome."""
+    :data:`PACKED_TOKENS` allows, the decode in the first (or, where the
+    engine takes them apart, passes of :data:`APART_TOKENS` and the decode
+    alone after them); returns the decode's result (None without one, or
+    when its pass failed) and each chunk's outcome."""
     outcome = StepOutcome(prefills=[])
     if not _apart(engine, tokens, works):
         ran = _run_groups(engine, outcome, tokens, _pass_groups(works))

@@ -25,7 +25,9 @@ What the plan may differ in, and how that is met:
   and no prompt logprobs) to the next step decoded ahead: the first
   ``PACKED_TOKENS`` of them are prefilled in that step's forward pass, at
   the cost of their arithmetic rather than of a pass of their own, and the
-  rest in passes of their own after it. Their outcomes come with the next
+  rest in passes of their own after it (where the engine prefills them
+  faster apart from the decode, all of them go in passes of their own and
+  the decode runs alone after them). Their outcomes come with the next
   plan's outcome (``StepOutcome.late``), and their rows join the step
   decoded after that.
   A new request's first token thus comes one step later, and each prompt
