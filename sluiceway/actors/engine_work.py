@@ -370,11 +370,9 @@ def execute(
             prefills.append(_prefill(engine, work))
     outcome = StepOutcome(prefills=[], decode=decoded, cache_error=cache_error)
     tokens = plan.decode if decoded is None else {}
-    if _apart(engine, tokens, to_pack):  # the decode runs on its own below
-        tokens, cap = {}, APART_TOKENS
-    else:
-        cap = PACKED_TOKENS
-    ran = iter(_run_groups(engine, outcome, tokens, _pass_groups(to_pack, cap)))
+    # Taken apart, the decode runs on its own in _decoded().
+    packed, groups = _passes(engine, tokens, to_pack)
+    ran = iter(_run_groups(engine, outcome, packed, groups))
     outcome.prefills = [p if p is not None else next(ran) for p in prefills]
     return _decoded(engine, plan, outcome)
 
@@ -389,12 +387,22 @@ def packed_passes(
     alone after them); returns the decode's result (None without one, or
     when its pass failed) and each chunk's outcome."""
     outcome = StepOutcome(prefills=[])
-    if not _apart(engine, tokens, works):
-        ran = _run_groups(engine, outcome, tokens, _pass_groups(works))
-        return outcome.decode, ran
-    ran = _run_groups(engine, outcome, {}, _pass_groups(works, APART_TOKENS))
-    decoded, _ = _decode_alone(engine, tokens)
-    return decoded, ran
+    packed, groups = _passes(engine, tokens, works)
+    ran = _run_groups(engine, outcome, packed, groups)
+    if tokens and not packed:  # taken apart: the decode after the passes
+        outcome.decode, _ = _decode_alone(engine, tokens)
+    return outcome.decode, ran
+
+
+def _passes(
+    engine: Engine, tokens: Mapping[int, int], works: Sequence[PrefillWork]
+) -> tuple[Mapping[int, int], list[list[PrefillWork]]]:
+    """The decode to pack into the first pass (none where the engine takes
+    ``works`` apart from it), and ``works`` cut into the groups of one pass
+    each: :data:`PACKED_TOKENS` a pass, or :data:`APART_TOKENS` apart."""
+    if _apart(engine, tokens, works):
+        return {}, _pass_groups(works, APART_TOKENS)
+    return tokens, _pass_groups(works)
 
 
 def _apart(engine: Engine, tokens: Mapping[int, int], works: Sequence[PrefillWork]) -> bool:

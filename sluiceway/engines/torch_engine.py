@@ -639,19 +639,27 @@ class TransformersEngine:
         prefill in a pass of their own rather than the eager pass of a decode
         they would be packed into: where the graph applies to them all (fresh
         rows, on every thread) and they hold :data:`APART_MIN_TOKENS` or more."""
-        graph, lengths = self._compiled_prefill, [length for _, length in chunks]
-        if graph is None or sum(lengths) < APART_MIN_TOKENS or not self._on_every_thread():
+        lengths = [length for _, length in chunks]
+        if sum(lengths) < APART_MIN_TOKENS or any(slot in self._order for slot, _ in chunks):
             return False
-        if any(slot in self._order or self._pending_window(slot) for slot, _ in chunks):
-            return False
-        if len(lengths) == 1:
-            return graph.active and lengths[0] >= PREFILL_MIN_LENGTH
-        return graph.rows_active and fits_prefill_rows(lengths)
+        return self._graph_takes([self._pending_window(slot) for slot, _ in chunks], lengths)
 
     def _pending_window(self, slot: int) -> int:
         """Positions a prefilled slot waiting to decode holds already."""
         rows = self._pending.get(slot)
         return 0 if rows is None else rows.window
+
+    def _graph_takes(self, windows: Sequence[int], lengths: Sequence[int]) -> bool:
+        """Whether the compiled prefill takes chunks of ``lengths`` into rows
+        holding ``windows`` positions already: fresh rows only, on every
+        thread; one chunk through the one-row graph, several through the
+        batch graph."""
+        graph = self._compiled_prefill
+        if graph is None or any(windows) or not self._on_every_thread():
+            return False
+        if len(lengths) == 1:
+            return graph.active and lengths[0] >= PREFILL_MIN_LENGTH
+        return graph.rows_active and fits_prefill_rows(lengths)
 
     def decode_prefilling(
         self, tokens: Mapping[int, int], chunks: Sequence[tuple[int, Sequence[int]]]
@@ -824,9 +832,7 @@ class TransformersEngine:
         """A fresh row's chunk through the compiled prefill, its keys and
         values copied into ``rows``; None where the graph does not apply."""
         graph, length = self._compiled_prefill, ids.shape[1]
-        if graph is None or not graph.active or rows.window or length < PREFILL_MIN_LENGTH:
-            return None
-        if not self._on_every_thread():
+        if graph is None or not self._graph_takes([rows.window], [length]):
             return None
         prefilled = graph(ids)
         if prefilled is None:
@@ -842,9 +848,10 @@ class TransformersEngine:
         row's keys and values copied into its own cache; their last logits
         ``[rows, vocab]``, or None where the graph does not apply."""
         graph, lengths = self._compiled_prefill, [len(chunk) for chunk in ids]
-        if graph is None or not graph.rows_active or any(rows.window for rows in parts):
+        # One chunk alone is the one-row graph's, not this one's.
+        if graph is None or len(lengths) < 2:
             return None
-        if not fits_prefill_rows(lengths) or not self._on_every_thread():
+        if not self._graph_takes([rows.window for rows in parts], lengths):
             return None
         prefilled = graph.rows(ids, self._device)
         if prefilled is None:
