@@ -96,6 +96,8 @@ class EngineSpec:
     compile_max_batch: int = 32
     #: ``--prepack`` (transformers).
     prepack: bool = True
+    #: ``--frozen-weights`` (transformers).
+    frozen_weights: str = "auto"
     log_level: str = "info"
     log_format: str = logging.BASIC_FORMAT
     #: Set in the child's environment where the parent's does not set them.
@@ -283,6 +285,7 @@ def _child_main(conn: Connection, spec: EngineSpec) -> None:
             compile=spec.compile,
             compile_max_batch=spec.compile_max_batch,
             prepack=spec.prepack,
+            frozen_weights=spec.frozen_weights,
         )
     except Exception as error:
         logger.exception("the engine could not start")

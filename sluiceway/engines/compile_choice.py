@@ -110,10 +110,11 @@ def verdict_key(
     torch_version: str,
     buckets: Sequence[int],
     prepacked: bool = False,
+    frozen: bool = False,
 ) -> str:
     """A digest of what the verdicts depend on: the model's files (name, size,
     modification time), the dtype, the thread count, the buckets, torch, the
-    CPU, whether the weights are prepacked (both steps' speed moves), and
+    CPU, whether the weights are prepacked or frozen (both steps' speed moves), and
     OpenMP's wait policy (sleeping threads slow the compiled step most)."""
     files = sorted(
         (path.name, stat.st_size, stat.st_mtime_ns)
@@ -125,6 +126,8 @@ def verdict_key(
     described.append({name: os.environ.get(name) for name in _WAITING})
     if prepacked:  # a key of weights as loaded stays what it was before prepacking
         described.append("prepacked")
+    if frozen:  # the compiled step's products are Inductor's own
+        described.append("frozen")
     digest = hashlib.sha256(json.dumps([*described, _cpu()]).encode())
     return digest.hexdigest()[:32]
 

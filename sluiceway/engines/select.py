@@ -92,14 +92,16 @@ def make_engine(
     compile: str = "off",
     compile_max_batch: int = 32,
     prepack: bool = True,
+    frozen_weights: str = "auto",
 ) -> Engine:
     """Build the engine ``choice`` names for ``source`` (``auto`` is resolved
     by :func:`choose_engine`; a resolved name is not logged again).
 
     ``device``, ``dtype`` and ``threads`` (0: the default) apply to
     transformers; mlx picks its own device (Metal if present) and runs the
-    checkpoint's dtype, ``compile``, ``compile_max_batch`` and ``prepack`` are
-    transformers' (``--compile``, ``--prepack``), and ``threads`` is its OpenBLAS's count where its CPU
+    checkpoint's dtype, ``compile``, ``compile_max_batch``, ``prepack`` and
+    ``frozen_weights`` are transformers' (``--compile``, ``--prepack``,
+    ``--frozen-weights``), and ``threads`` is its OpenBLAS's count where its CPU
     backend runs on OpenBLAS (:mod:`sluiceway.engines.blas`).
     """
     name = choice if choice in ("mlx", "transformers") else choose_engine(choice)
@@ -114,6 +116,7 @@ def make_engine(
             compile=compile,
             compile_max_batch=compile_max_batch,
             prepack=prepack,
+            frozen_weights=frozen_weights,
         )
     if device != "auto" or dtype != "auto":
         logger.warning("the mlx engine ignores --device %s and --dtype %s", device, dtype)

@@ -94,7 +94,7 @@ from sluiceway.engines.torch_compiled_prefill import MIN_LENGTH as PREFILL_MIN_L
 from sluiceway.engines.torch_compiled_prefill import CompiledPrefill
 from sluiceway.engines.torch_compiled_prefill import fits_rows as fits_prefill_rows
 from sluiceway.engines.torch_packed import KEYWORD, Packed, StoreCache, attend
-from sluiceway.engines.torch_prepack import prepack_linears, unsupported
+from sluiceway.engines.torch_prepack import linear_bytes, prepack_linears, unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -489,6 +489,7 @@ class TransformersEngine:
         compile_max_batch: int = 32,
         compile_verdicts: VerdictStore | None = None,
         prepack: bool = True,
+        frozen_weights: str = "auto",
     ) -> None:
         self._device = resolve_device(device)
         self._dtype = resolve_dtype(dtype, source.config, self._device)
@@ -499,6 +500,7 @@ class TransformersEngine:
             self._device.type == "cpu" and not requested_threads(threads) and self._threads >= 2
         )
         self._model = _load_model(source, self._device, self._dtype)
+        self._frozen = self._freezes(frozen_weights, compile)
         self._prepacked = self._prepack(prepack)
         self._cache_keyword = cache_keyword(self._model)
         self._layouts = _probe_layouts(self._model, self._device)
@@ -531,6 +533,7 @@ class TransformersEngine:
                 torch_version=torch.__version__,
                 buckets=self._compiled.buckets,
                 prepacked=self._prepacked > 0,
+                frozen=self._frozen,
             )
             self._compiled = self._choose_compiled(self._compiled, key, store)
             if self._compiled is not None and self._compiled.bucket(1) == 1:
@@ -546,6 +549,27 @@ class TransformersEngine:
             f"{self._prepacked} linear layers prepacked" if self._prepacked else "as loaded",
         )
 
+    def _freezes(self, asked: str, compile: str) -> bool:
+        """Whether the compiled decode step freezes its weights
+        (``--frozen-weights``; :mod:`~sluiceway.engines.torch_compiled`)."""
+        if asked not in FROZEN_MODES:
+            raise ValueError(
+                f"--frozen-weights must be one of {', '.join(FROZEN_MODES)}, not {asked!r}"
+            )
+        if asked == "off" or compile == "off":
+            return False
+        why_not = unsupported(self._device, self._dtype)
+        if why_not is None and asked == "auto":
+            why_not = _frozen_memory(linear_bytes(self._model))
+        if why_not is not None:
+            (logger.warning if asked == "on" else logger.debug)(
+                "--frozen-weights %s: the compiled step keeps oneDNN's products, %s",
+                asked,
+                why_not,
+            )
+            return False
+        return True
+
     def _prepack(self, asked: bool) -> int:
         """Reorder the linear layers' weights for oneDNN where that applies
         (:mod:`sluiceway.engines.torch_prepack`); how many were."""
@@ -555,7 +579,7 @@ class TransformersEngine:
         if why_not is not None:
             logger.debug("weights not prepacked: %s", why_not)
             return 0
-        packed = prepack_linears(self._model)
+        packed = prepack_linears(self._model, keep_plain=self._frozen)
         # The matrices as loaded are free now; glibc would keep their pages.
         give_back_heap()
         return packed
@@ -1005,7 +1029,9 @@ class TransformersEngine:
                 "decode step: torch.compile, batch buckets %s (larger batches: eager)",
                 ", ".join(map(str, buckets)),
             )
-            return CompiledStep(self._model, self._cache_keyword, buckets=buckets)
+            return CompiledStep(
+                self._model, self._cache_keyword, buckets=buckets, frozen=self._frozen
+            )
         # auto is the default: a model it does not suit is no cause for a warning
         log = logger.info if mode == "auto" else logger.warning
         log("--compile %s: decoding eagerly, %s", mode, why)
@@ -1109,6 +1135,28 @@ def _probe_layouts(model: Any, device: torch.device) -> tuple[LayerLayout, ...]:
             )
         )
     return tuple(layouts)
+
+
+#: ``--frozen-weights``' choices.
+FROZEN_MODES = ("auto", "on", "off")
+#: Copies of the linear layers' matrices that frozen weights add: the one
+#: kept as loaded beside oneDNN's, and one in each of the two graphs.
+FROZEN_COPIES = 3
+#: ``--frozen-weights auto``: the copies may take this share of the memory
+#: the host has free at start-up, no more.
+FROZEN_MEMORY_SHARE = 0.125
+
+
+def _frozen_memory(weights: int, available: int | None = None) -> str | None:
+    """Why ``auto`` does not freeze weights of ``weights`` bytes; None: it does."""
+    free = host_available_bytes() if available is None else available
+    needed = FROZEN_COPIES * weights
+    if needed > FROZEN_MEMORY_SHARE * free:
+        return (
+            f"its {needed / 2**20:.0f} MiB of weight copies would take more than "
+            f"{FROZEN_MEMORY_SHARE:.0%} of the {free / 2**20:.0f} MiB free"
+        )
+    return None
 
 
 def _load_model(source: ModelSource, device: torch.device, dtype: torch.dtype) -> Any:

@@ -18,12 +18,18 @@ outputs are the plain layer's, bit for bit, on that host.
 Inside ``torch.compile`` the call goes through a custom op
 (``sluiceway::packed_linear``): Inductor cannot lower oneDNN's op on a
 weight it did not pack itself, and calls the custom op as an opaque kernel.
+A graph that freezes its weights instead (the compiled decode step's, see
+:mod:`~sluiceway.engines.torch_compiled`) needs the matrix as loaded, to pack
+for its own kernels: a layer built with ``keep_plain`` keeps it too, and
+inside :func:`frozen_graph` a traced layer uses it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
+from collections.abc import Iterator
 
 import torch
 
@@ -50,10 +56,29 @@ def _product(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return result
 
 
-class PackedLinear(torch.nn.Module):
-    """A :class:`torch.nn.Linear` whose weight oneDNN reordered once."""
+#: Whether the graph being traced freezes its weights (:func:`frozen_graph`).
+_FROZEN_GRAPH = False
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+
+@contextlib.contextmanager
+def frozen_graph() -> Iterator[None]:
+    """Around a call of a graph that freezes its weights: a layer traced in
+    it multiplies by its matrix as loaded (Dynamo guards on this flag, so a
+    graph traced with it and one traced without each keep their own form)."""
+    global _FROZEN_GRAPH
+    before, _FROZEN_GRAPH = _FROZEN_GRAPH, True
+    try:
+        yield
+    finally:
+        _FROZEN_GRAPH = before
+
+
+class PackedLinear(torch.nn.Module):
+    """A :class:`torch.nn.Linear` whose weight oneDNN reordered once; with
+    ``keep_plain``, the matrix as loaded stays beside it, for graphs that
+    freeze their weights."""
+
+    def __init__(self, linear: torch.nn.Linear, *, keep_plain: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -64,9 +89,12 @@ class PackedLinear(torch.nn.Module):
         self.packed: torch.Tensor
         self.register_buffer("packed", packed)
         self.bias: torch.Tensor | None = linear.bias
+        self.weight: torch.Tensor | None = linear.weight if keep_plain else None
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
+            if _FROZEN_GRAPH and self.weight is not None:
+                return torch.nn.functional.linear(inputs, self.weight, self.bias)
             result: torch.Tensor = packed_linear(inputs, self.packed, self.bias, self.out_features)
             return result
         return _product(inputs, self.packed, self.bias)
@@ -89,11 +117,12 @@ def unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def prepack_linears(model: torch.nn.Module) -> int:
+def prepack_linears(model: torch.nn.Module, *, keep_plain: bool = False) -> int:
     """Replace each plain bfloat16 linear layer of ``model`` with a
-    :class:`PackedLinear`; returns how many. A layer whose weight another
-    module shares (an output layer tied to the embeddings) stays as it is:
-    packing it would keep a second copy of the matrix."""
+    :class:`PackedLinear` (``keep_plain``: keeping its matrix as loaded);
+    returns how many. A layer whose weight another module shares (an output
+    layer tied to the embeddings) stays as it is: packing it would keep a
+    second copy of the matrix."""
     shared = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     replaced = 0
     for parent in list(model.modules()):
@@ -102,6 +131,21 @@ def prepack_linears(model: torch.nn.Module) -> int:
                 continue
             if shared[id(child.weight)] > 1:
                 continue
-            setattr(parent, name, PackedLinear(child))
+            setattr(parent, name, PackedLinear(child, keep_plain=keep_plain))
             replaced += 1
     return replaced
+
+
+def linear_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the matrices of ``model``'s linear layers (plain or packed,
+    counted as loaded): what each graph that freezes its weights adds."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear | PackedLinear):
+            total += module.in_features * module.out_features * _itemsize(module)
+    return total
+
+
+def _itemsize(module: torch.nn.Linear | PackedLinear) -> int:
+    weight = module.packed if isinstance(module, PackedLinear) else module.weight
+    return weight.element_size()

@@ -59,6 +59,9 @@ class ServerConfig:
     #: The transformers engine's bfloat16 linear layers, reordered once for
     #: oneDNN at load (CPU); False keeps them as loaded.
     prepack: bool = True
+    #: The compiled decode step's weights frozen into its graphs, with
+    #: Inductor's own matrix products (transformers, bfloat16, CPU).
+    frozen_weights: Literal["auto", "on", "off"] = "auto"
     #: None: a child process on the CPU, the engine thread on a GPU (and in
     #: a daemonic worker process, which may not start one).
     engine_process: bool | None = None

@@ -153,6 +153,7 @@ def _start_engine(config: ServerConfig, source: ModelSource) -> Engine | VllmEng
             compile=config.compile,
             compile_max_batch=config.compile_max_batch,
             prepack=config.prepack,
+            frozen_weights=config.frozen_weights,
         )
     logger.info("the engine runs in a child process")
     spec = EngineSpec(
@@ -164,6 +165,7 @@ def _start_engine(config: ServerConfig, source: ModelSource) -> Engine | VllmEng
         compile=config.compile,
         compile_max_batch=config.compile_max_batch,
         prepack=config.prepack,
+        frozen_weights=config.frozen_weights,
         log_level=config.log_level,
         log_format=LOG_FORMAT,
         environment=process_environment(name, config.compile),
