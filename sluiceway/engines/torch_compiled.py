@@ -37,13 +37,14 @@ them). With Inductor's ``freezing`` the graph takes the weights for
 constants, and with its C++ GEMM template (``max_autotune``, backend
 ``CPP``) it writes each product as a loop of its own over a copy of the
 matrix it packed for it, fused with the step's elementwise work: measured
-1.33-1.52x faster than the prepacked oneDNN step at 1-16 rows on the 42M
+1.40-1.56x faster than the prepacked oneDNN step at 1-16 rows on the 42M
 model (docs/engines.md). Each graph holds its own copy of every linear
 layer's matrix, so the buckets from 2 up share one graph whose batch size is
 symbolic (the one-row graph is its own: torch specialises a size of one):
-two copies in all. Such a graph is never taken from Inductor's on-disk
-cache (it holds constants), so it compiles at every start. Where it fails
-to compile, the step falls back to the graphs without frozen weights.
+two copies in all. Inductor never takes such a graph from its on-disk
+cache (the weights it packs are oneDNN tensors, which it cannot store), so
+it compiles at every start. Where it fails to compile, the step falls back
+to the graphs without frozen weights.
 
 Anything else that fails while compiling or running a graph turns the
 compiled step off for good and the engine decodes eagerly from then on,

@@ -11,6 +11,7 @@ to the eager engine, which compiles nothing.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 from sluiceway.engines import torch_engine
 from sluiceway.engines.compile_choice import verdict_key
 from sluiceway.engines.loader import ModelSource
-from sluiceway.engines.torch_compiled import FROZEN_OPTIONS
+from sluiceway.engines.torch_compiled import FROZEN_OPTIONS, CompiledStep
 from sluiceway.engines.torch_engine import TransformersEngine
 from sluiceway.engines.torch_prepack import (
     PackedLinear,
@@ -214,3 +215,39 @@ def test_frozen_weights_have_verdicts_of_their_own(tmp_path: Path) -> None:
         for frozen in (False, True)
     }
     assert len(keys) == 2
+
+
+def _fails_when_frozen(gm: torch.fx.GraphModule, inputs: object, **options: object) -> object:
+    """A backend that runs the traced graph as it is, but fails a graph with
+    frozen weights (the only one compiled with options)."""
+    if options:
+        raise RuntimeError("no C++ GEMM here")
+    return gm.forward
+
+
+def test_a_frozen_graph_that_fails_falls_back_to_the_plain_graphs(
+    tiny_model: ModelSource,
+    pair: tuple[TransformersEngine, TransformersEngine],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(
+        torch_engine,
+        "CompiledStep",
+        functools.partial(CompiledStep, backend=_fails_when_frozen),
+    )
+    engine = TransformersEngine(tiny_model, dtype="bfloat16", compile="on", compile_max_batch=2)
+    step = engine.compiled_step
+    assert step is not None
+    assert step.frozen
+    engine._compiled_prefill = None  # prefills eagerly: only the step is under test
+    prompts = {slot: [int(t) for t in range(3 + slot, 40 + slot)] for slot in range(2)}
+    with caplog.at_level(logging.WARNING, logger="sluiceway.engines.torch_compiled"):
+        _forced_schedule((engine, pair[1]), prompts, {0: [0], 1: [1]}, {}, steps=4)
+    engine.close()
+    assert "frozen weights failed, compiling it without" in caplog.text
+    assert "no C++ GEMM here" in caplog.text
+    assert not step.frozen
+    assert step.failure is None  # the plain graphs took over
+    assert step.steps[1] >= 1
+    assert step.steps[2] >= 3
