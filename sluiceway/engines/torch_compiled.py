@@ -72,8 +72,8 @@ MODES = ("off", "on", "auto")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 #: Inductor's options for a step with frozen weights: its own C++ matrix
-#: products (``freezing`` itself is set around each call, since Dynamo reads
-#: it while tracing, before these options apply).
+#: products (``freezing`` itself is set around each call, by
+#: :func:`~sluiceway.engines.torch_prepack.frozen_graph`).
 FROZEN_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP",
@@ -180,8 +180,6 @@ class CompiledStep:
         frozen: bool = False,
     ) -> None:
         self.buckets = tuple(buckets)
-        #: Whether the graphs freeze the weights (Inductor's own matrix products).
-        self.frozen = frozen
         #: Why the compiled step was given up, once it has been.
         self.failure: str | None = None
         #: Compiled steps run, by bucket.
@@ -190,20 +188,16 @@ class CompiledStep:
         # engine's model in one process, as in the tests): room for them all.
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, 4 * len(BUCKETS))
-        self._compiled = torch.compile(
-            step_function(model, cache_keyword), backend=backend, fullgraph=True, dynamic=False
-        )
-        self._frozen = (
-            torch.compile(
-                step_function(model, cache_keyword),
-                backend=backend,
-                fullgraph=True,
-                dynamic=False,
-                options=FROZEN_OPTIONS,
+
+        def compiled(options: dict[str, Any] | None = None) -> StepFunction:
+            step = step_function(model, cache_keyword)
+            return torch.compile(
+                step, backend=backend, fullgraph=True, dynamic=False, options=options
             )
-            if frozen
-            else None
-        )
+
+        self._compiled = compiled()
+        #: The graphs with frozen weights, until they fail (None: not asked, or failed).
+        self._frozen = compiled(FROZEN_OPTIONS) if frozen else None
 
     def limit(self, buckets: Sequence[int]) -> None:
         """Compile and run only ``buckets`` (a prefix of :attr:`buckets`);
@@ -211,6 +205,11 @@ class CompiledStep:
         if tuple(buckets) != self.buckets[: len(buckets)]:
             raise ValueError(f"{tuple(buckets)} is not a prefix of the buckets {self.buckets}")
         self.buckets = tuple(buckets)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the graphs freeze the weights (Inductor's own matrix products)."""
+        return self._frozen is not None
 
     @property
     def active(self) -> bool:
@@ -256,10 +255,10 @@ class CompiledStep:
             for tensor in (ids, positions, mask, *keys, *values):
                 torch._dynamo.mark_dynamic(tensor, 0)
         try:
-            with torch._inductor.config.patch(freezing=True), frozen_graph():
+            with frozen_graph():
                 return self._run(self._frozen, inputs)
         except Exception as error:
-            self._frozen, self.frozen = None, False
+            self._frozen = None
             logger.warning(
                 "compiled decode step with frozen weights failed, compiling it without: %s",
                 failure_summary(error),

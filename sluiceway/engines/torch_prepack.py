@@ -62,13 +62,16 @@ _FROZEN_GRAPH = False
 
 @contextlib.contextmanager
 def frozen_graph() -> Iterator[None]:
-    """Around a call of a graph that freezes its weights: a layer traced in
-    it multiplies by its matrix as loaded (Dynamo guards on this flag, so a
-    graph traced with it and one traced without each keep their own form)."""
+    """Around a call of a graph that freezes its weights: Inductor's
+    ``freezing`` is on (Dynamo reads it while tracing, before a compile's own
+    options apply), and a layer traced in it multiplies by its matrix as
+    loaded (Dynamo guards on this flag, so a graph traced with it and one
+    traced without each keep their own form)."""
     global _FROZEN_GRAPH
     before, _FROZEN_GRAPH = _FROZEN_GRAPH, True
     try:
-        yield
+        with torch._inductor.config.patch(freezing=True):
+            yield
     finally:
         _FROZEN_GRAPH = before
 

@@ -64,7 +64,7 @@ def test_a_layer_in_a_frozen_graph_uses_its_matrix_as_loaded() -> None:
     with torch.inference_mode():
         expected = plain(rows)
         before = _templates()
-        with torch._inductor.config.patch(freezing=True), frozen_graph():
+        with frozen_graph():
             frozen = compiled(rows)
         assert _templates() > before
         torch.testing.assert_close(frozen, expected, rtol=0.02, atol=0.02)
