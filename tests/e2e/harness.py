@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -206,6 +207,20 @@ def serving(
         yield running
     finally:
         running.stop()
+
+
+#: Where the SSE specification ends a line: CRLF, CR or LF, and nowhere else.
+_SSE_EOL = re.compile(r"\r\n|\r|\n")
+
+
+def sse_lines(stream: str | bytes) -> list[str]:
+    """An event stream's lines, cut where the SSE specification cuts them.
+    ``str.splitlines()`` also cuts at U+2028, U+2029, U+0085 and the
+    separators U+001C-U+001E; JSON escapes the last three but not the first
+    three, so a streamed token holding one (a model may write any of them)
+    would split its ``data:`` line in two."""
+    text = stream.decode("utf-8") if isinstance(stream, bytes) else stream
+    return _SSE_EOL.split(text)
 
 
 class ServerPool:

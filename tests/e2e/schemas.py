@@ -11,6 +11,8 @@ from jsonschema.exceptions import best_match
 from jsonschema.protocols import Validator
 from jsonschema.validators import validator_for
 
+from tests.e2e.harness import sse_lines
+
 NULLABLE_STRING = {"type": ["string", "null"]}
 
 TOP_LOGPROB = {
@@ -216,7 +218,7 @@ def streamed_chat(api_url: str, payload: dict[str, Any], timeout: float) -> list
     :data:`CHAT_CHUNK`, the stream ended by ``[DONE]``."""
     response = httpx.post(api_url + "/chat/completions", json=payload, timeout=timeout)
     assert response.status_code == 200, response.text
-    lines = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    lines = [line[6:] for line in sse_lines(response.text) if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     chunks = [json.loads(line) for line in lines[:-1]]
     for chunk in chunks:

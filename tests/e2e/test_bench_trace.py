@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.harness import start_server
+from tests.e2e.harness import sse_lines, start_server
 
 TRACE_SERVER = Path(__file__).parents[2] / "bench" / "trace_server.py"
 
@@ -38,7 +38,7 @@ def test_traced_server_streams_and_records_its_steps(
             "stream": True,
         }
         reply = httpx.post(server.api_url + "/completions", json=body, timeout=60)
-        chunks = [json.loads(line[6:]) for line in reply.text.splitlines() if line[6:7] == "{"]
+        chunks = [json.loads(line[6:]) for line in sse_lines(reply.text) if line[6:7] == "{"]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length", server.log()
         assert reply.text.endswith("data: [DONE]\n\n")
     finally:

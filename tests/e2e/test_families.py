@@ -25,7 +25,7 @@ from sluiceway.parsers.formats import FORMATS
 from sluiceway.parsers.formats.render import Call, Style, render
 from sluiceway.parsers.reasoning import DIALECTS
 from tests.e2e import schemas
-from tests.e2e.harness import RunningServer, serving
+from tests.e2e.harness import RunningServer, serving, sse_lines
 from tests.fixtures.scripted_model import Piece, Script, ScriptedModel, build_scripted_model
 from tests.parsers.family_calls import REASONING
 
@@ -162,7 +162,7 @@ def _stream(server: RunningServer, fields: dict[str, Any]) -> dict[str, Any]:
     payload = {"model": server.model, "stream": True, **fields}
     response = httpx.post(server.api_url + "/chat/completions", json=payload, timeout=120)
     assert response.status_code == 200, response.text
-    lines = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    lines = [line[6:] for line in sse_lines(response.text) if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     calls: list[dict[str, str]] = []
     content = reasoning = ""

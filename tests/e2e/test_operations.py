@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.harness import RunningServer, serving, start_server
+from tests.e2e.harness import RunningServer, serving, sse_lines, start_server
 from tests.e2e.ops import SilentReader, Stream, chat, load, wait_for
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
@@ -290,7 +290,7 @@ def dechunk(raw: bytes) -> bytes:
 def texts_of(sse: bytes) -> dict[int, str]:
     """Each choice's content, from a stream's SSE bytes."""
     texts: dict[int, str] = {}
-    for line in sse.decode().splitlines():
+    for line in sse_lines(sse):
         if line.startswith("data: {"):
             for choice in json.loads(line[6:]).get("choices", []):
                 content = choice["delta"].get("content") or ""

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.harness import OTHER_PLACEMENT, RunningServer, ServerPool
+from tests.e2e.harness import OTHER_PLACEMENT, RunningServer, ServerPool, sse_lines
 
 #: The default model's KV per token is 2048 bytes (4 layers x (keys + values)
 #: x 2 heads x 32 dims x 4 bytes): the tiny budget holds about 300 tokens.
@@ -124,7 +124,7 @@ def test_the_streamed_usage_and_legacy_completions_report_cached_tokens(
         "stream_options": {"include_usage": True},
     }
     with httpx.Client(timeout=120) as client:
-        lines = client.post(server.api_url + "/chat/completions", json=body).text.splitlines()
+        lines = sse_lines(client.post(server.api_url + "/chat/completions", json=body).text)
     usage = json.loads([line for line in lines if line.startswith("data: {")][-1][6:])["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] > 100
     text = system + " Once upon a time"

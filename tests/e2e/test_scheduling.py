@@ -24,6 +24,7 @@ from tests.e2e.harness import (
     scheduler_state,
     seconds_per_token,
     serving,
+    sse_lines,
 )
 
 LONG_PROMPT = [{"role": "user", "content": "Tell me everything about the rivers of Europe. " * 3}]
@@ -93,7 +94,7 @@ def test_n_choices_stream_with_their_indices(server: RunningServer) -> None:
     with httpx.Client(timeout=120) as client:
         response = client.post(server.api_url + "/chat/completions", json=payload)
     chunks = [
-        json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")
+        json.loads(line[6:]) for line in sse_lines(response.text) if line.startswith("data: {")
     ]
     for chunk in chunks:
         schemas.check(chunk, schemas.CHAT_CHUNK)

@@ -12,7 +12,7 @@ import pytest
 
 from tests.e2e import schemas
 from tests.e2e.conftest import DEFAULT_ENGINE_ONLY
-from tests.e2e.harness import RunningServer, same_entries, start_server
+from tests.e2e.harness import RunningServer, same_entries, sse_lines, start_server
 from tests.fixtures.scripted_model import ScriptedModel
 
 SCRIPT = "bytes_stop"  # "Caf" "é" " costs" " 3" "€" " S" "TO" "P!" " tail." and again
@@ -35,9 +35,7 @@ def chat(server: RunningServer, scripted: ScriptedModel, **fields: Any) -> dict[
         return reply
     return {
         "chunks": [
-            json.loads(line[6:])
-            for line in response.text.splitlines()
-            if line.startswith("data: {")
+            json.loads(line[6:]) for line in sse_lines(response.text) if line.startswith("data: {")
         ]
     }
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import SETUPS
-from tests.e2e.harness import RunningServer, ServerPool
+from tests.e2e.harness import RunningServer, ServerPool, sse_lines
 from tests.e2e.test_anthropic import TOOLS as ANTHROPIC_TOOLS
 from tests.e2e.test_parsing import TOOLS as CHAT_TOOLS
 from tests.e2e.test_responses import WEATHER
@@ -78,7 +78,7 @@ def events(server: RunningServer, path: str, payload: dict[str, Any]) -> list[An
     assert response.status_code == 200, response.text
     return [
         settled(json.loads(line[6:])) if line.startswith("data: {") else line
-        for line in response.text.splitlines()
+        for line in sse_lines(response.text)
         if line.startswith(("data: ", "event: "))
     ]
 

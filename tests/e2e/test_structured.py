@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 from tests.e2e import schemas as wire_schemas
 from tests.e2e import test_tokens as tokens
 from tests.e2e.conftest import DEFAULT_ENGINE_ONLY
-from tests.e2e.harness import RunningServer, serving
+from tests.e2e.harness import RunningServer, serving, sse_lines
 from tests.fixtures.json_schemas import assert_valid, schemas
 from tests.fixtures.scripted_model import ScriptedModel
 
@@ -81,7 +81,7 @@ def chat_stream(server: RunningServer, **fields: Any) -> dict[str, Any]:
     response = post(server, "chat/completions", body)
     assert response.status_code == 200, response.text
     merged: dict[str, Any] = {"content": "", "reasoning": "", "calls": {}, "finish": None}
-    for line in response.text.splitlines():
+    for line in sse_lines(response.text):
         if not line.startswith("data: {"):
             continue
         chunk = json.loads(line[6:])
@@ -162,7 +162,7 @@ def completion_texts(server: RunningServer, body: dict[str, Any]) -> tuple[str, 
     assert streamed.status_code == 200, streamed.text
     pieces = [
         c["text"]
-        for line in streamed.text.splitlines()
+        for line in sse_lines(streamed.text)
         if line.startswith("data: {")
         for c in json.loads(line[6:])["choices"]
     ]
@@ -244,7 +244,7 @@ def test_structured_outputs_on_completions(
     reply = post(server, "completions", body).json()
     streamed = post(server, "completions", {**body, "stream": True})
     pieces: dict[int, str] = {0: "", 1: ""}
-    for line in streamed.text.splitlines():
+    for line in sse_lines(streamed.text):
         if line.startswith("data: {"):
             for choice in json.loads(line[6:])["choices"]:
                 pieces[choice["index"]] += choice["text"]
