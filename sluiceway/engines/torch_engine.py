@@ -125,6 +125,16 @@ KEEP_IDLE_BATCH_BYTES = 256 * 2**20
 #: seven 0.83-0.95x, fifteen 0.73-0.94x; an earlier session found six with
 #: 16 rows no faster. As built, 8-31 prompts took 0.75-0.90x (docs/engines.md).
 APART_MIN_TOKENS = 512
+#: The same where the decode runs a graph with frozen weights
+#: (``--frozen-weights``): its own pass then costs ~two thirds of an
+#: oneDNN step's, and fewer tokens pay for it. Measured on the 42M bench
+#: model (engine alone, seven or five pairs in turns, 1-16 rows decoding):
+#: apart took 0.81-0.88x the packed time for 2-4 prompts of 64 tokens, 0.87
+#: and 0.98x for four of 32, 0.88-0.93x for eight of 16; one prompt of 64
+#: 0.93-0.98x; but one of 16 or 32 tokens 1.10-1.17x, and two of 16
+#: 1.21x. Without frozen weights two or three prompts of 64 were level
+#: (1.00 and 0.99x), four 0.88x.
+APART_MIN_TOKENS_FROZEN = 128
 
 DTYPES: Mapping[str, torch.dtype] = {
     "float32": torch.float32,
@@ -662,11 +672,22 @@ class TransformersEngine:
         """Whether new prompts' chunks ``(slot, length)`` take the compiled
         prefill in a pass of their own rather than the eager pass of a decode
         they would be packed into: where the graph applies to them all (fresh
-        rows, on every thread) and they hold :data:`APART_MIN_TOKENS` or more."""
+        rows, on every thread) and they hold :data:`APART_MIN_TOKENS` or more
+        (:data:`APART_MIN_TOKENS_FROZEN` where the running rows' decode
+        takes a graph with frozen weights)."""
         lengths = [length for _, length in chunks]
-        if sum(lengths) < APART_MIN_TOKENS or any(slot in self._order for slot, _ in chunks):
+        if sum(lengths) < self._apart_min_tokens() or any(
+            slot in self._order for slot, _ in chunks
+        ):
             return False
         return self._graph_takes([self._pending_window(slot) for slot, _ in chunks], lengths)
+
+    def _apart_min_tokens(self) -> int:
+        step = self._compiled
+        frozen_decode = (
+            step is not None and step.frozen and self._graph_bucket(len(self._order)) is not None
+        )
+        return APART_MIN_TOKENS_FROZEN if frozen_decode else APART_MIN_TOKENS
 
     def _pending_window(self, slot: int) -> int:
         """Positions a prefilled slot waiting to decode holds already."""

@@ -327,3 +327,23 @@ def test_enough_new_prompts_are_prefilled_apart_from_a_decode(
         assert mine is not None
         assert theirs is not None
         assert float(np.max(np.abs(log_softmax(mine) - log_softmax(theirs)))) < 1e-4
+
+
+def test_a_frozen_decode_takes_fewer_new_tokens_apart(
+    traced: TransformersEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the running rows decode through a graph with frozen weights, its
+    own pass is cheap, and new prompts go apart from APART_MIN_TOKENS_FROZEN
+    tokens; otherwise from APART_MIN_TOKENS (and not past the largest
+    bucket, where the decode is eager)."""
+    monkeypatch.setattr(torch_engine, "APART_MIN_TOKENS", 80)
+    monkeypatch.setattr(torch_engine, "APART_MIN_TOKENS_FROZEN", 40)
+    chunks = [(1, 20), (2, 22)]
+    assert not traced.prefills_apart(chunks)
+    step = traced.compiled_step
+    assert step is not None
+    monkeypatch.setattr(type(step), "frozen", property(lambda _: True))
+    assert traced.prefills_apart(chunks)
+    assert not traced.prefills_apart([(1, 18), (2, 20)])
+    monkeypatch.setattr(type(step), "bucket", lambda _, rows: None)
+    assert not traced.prefills_apart(chunks)
