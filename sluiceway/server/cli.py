@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         "product (default; faster steps, the same outputs; docs/engines.md)",
         "frozen_weights": "transformers on the CPU with bfloat16 weights and a compiled "
         "decode step: freeze the weights into the step's graphs, whose matrix products "
-        "are then Inductor's own C++ loops over a copy it packs (1.3-1.5x faster steps at "
+        "are then Inductor's own C++ loops over a copy it packs (1.4-1.56x faster steps at "
         "1-16 rows on the 42M benchmark model; three more copies of the linear layers' "
         "matrices; compiled at every start). auto (default): where the copies take at most "
         "an eighth of the memory free at start-up; on; off (docs/engines.md)",
