@@ -11,6 +11,10 @@ one request each: top logprobs, a stop string; see :func:`probe`).
   AVX512-BF16 or AMX. ``vllm-eager-f32``: the same with ``--enforce-eager
   --dtype float32``. Run from the interpreter of a vLLM environment
   (``--vllm-python``; ``make test-vllm`` builds ``.venv-vllm``).
+  ``vllm-threads``: at its defaults, with each worker given the threads
+  ours gives it (``OMP_NUM_THREADS``: the cores but one, see
+  ``sluiceway.engines.vllm_engine.worker_threads``), so that a race of
+  ``--engine vllm`` shows what that choice is worth apart from the rest.
 * ``llama-f32`` / ``llama-q8``: llama.cpp's ``llama-server`` on a GGUF of the
   weights at f32 and at Q8_0 (``bench/llama_peer.py`` builds both, once).
 * ``mlx_lm.server`` (against our mlx engine) and ``transformers serve``
@@ -34,19 +38,35 @@ DEFAULT_PEERS = {
     "transformers": ("vllm", "vllm-eager-f32", "llama-f32", "llama-q8"),
     "mlx": ("mlx_lm.server",),
     # Ours with --engine vllm: vLLM's own server on the same engine and defaults.
-    "vllm": ("vllm",),
+    "vllm": ("vllm", "vllm-threads"),
 }
-ALL_PEERS = ("vllm", "vllm-eager-f32", "llama-f32", "llama-q8", "transformers serve")
+ALL_PEERS = (
+    "vllm",
+    "vllm-eager-f32",
+    "vllm-threads",
+    "llama-f32",
+    "llama-q8",
+    "transformers serve",
+)
 #: Their names in the report.
 LABELS = {
     "vllm": "vLLM's server",
     "vllm-eager-f32": "vLLM's server, eager float32",
+    "vllm-threads": "vLLM's server, a core kept free",
     "llama-f32": "llama-server f32",
     "llama-q8": "llama-server Q8_0",
 }
 #: What vLLM's CPU backend needs here: a KV cache that fits beside the other
 #: servers (GB), and no pinning of its threads to cores other processes share.
 VLLM_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def vllm_environment(server: str) -> dict[str, str]:
+    """What a server on vLLM's engine starts with: ``vllm-threads`` also gets
+    the worker threads our server would give it (the cores but one)."""
+    if server != "vllm-threads":
+        return dict(VLLM_ENVIRONMENT)
+    return VLLM_ENVIRONMENT | {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) - 1))}
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +109,7 @@ def flags_of(command: list[str], after: int) -> str:
 
 def target(peer: str, port: int, model: Path, body: tuple[tuple[str, object], ...]) -> Target:
     url = f"http://127.0.0.1:{port}"
-    if peer in ("vllm", "vllm-eager-f32"):  # serves the model under its path
+    if peer.startswith("vllm"):  # serves the model under its path
         return Target(url, str(model), extra=body)
     if peer.startswith("llama"):  # takes ignore_eos and stream_options; any model name
         return Target(url, model.name, extra=body)

@@ -235,7 +235,7 @@ def server_command(
             *("--max-tokens", str(settings.max_tokens), "--log-level", "WARNING"),
         ]
     seqs = max(settings.concurrency)
-    if server in ("vllm", "vllm-eager-f32"):
+    if server.startswith("vllm"):
         assert setup is not None
         assert setup.vllm_python is not None
         eager = server == "vllm-eager-f32"
@@ -459,7 +459,7 @@ def start_server(
         stderr=subprocess.STDOUT,
         env=env_for(section.engine, settings.openblas)
         | (dict(settings.server_env) if server == OURS else {})
-        | (peers.VLLM_ENVIRONMENT if uses_vllm(server, section.engine) else {}),
+        | (peers.vllm_environment(server) if uses_vllm(server, section.engine) else {}),
         cwd=tempfile.gettempdir(),
     )
     # The same prompts, in the same order, for every server.
@@ -479,7 +479,11 @@ def describe_peer(server: str, command: list[str], setup: PeerSetup | None) -> s
     if server == OURS or setup is None:
         return ""
     if server.startswith("vllm") and setup.vllm_python:
-        return f"{peers.vllm_version(setup.vllm_python)}, `{peers.flags_of(command, 3)}`"
+        env = peers.vllm_environment(server)
+        return (
+            f"{peers.vllm_version(setup.vllm_python)}, `{peers.flags_of(command, 3)}`, "
+            f"environment `{' '.join(f'{k}={v}' for k, v in env.items())}`"
+        )
     if server.startswith("llama"):
         return f"{setup.llama_version}, `{peers.flags_of(command, 1)}`"
     return f"`{peers.flags_of(command, 1)}`"
@@ -762,7 +766,7 @@ def peer_setup(wanted: Sequence[str], args: argparse.Namespace) -> tuple[PeerSet
     and why a peer cannot run (by name; missing: it can)."""
     notes: dict[str, str] = {}
     vllm_python = args.vllm_python if Path(args.vllm_python).exists() else None
-    for name in ("vllm", "vllm-eager-f32"):
+    for name in ("vllm", "vllm-eager-f32", "vllm-threads"):
         if name in wanted and vllm_python is None:
             notes[name] = f"no vLLM interpreter at {args.vllm_python} (--vllm-python)"
     llama_bin, version = None, ""

@@ -40,6 +40,7 @@ from sluiceway.actors.scheduler import RESTART_ATTEMPTS, RESTART_BACKOFF_SECONDS
 from sluiceway.actors.seam import EngineHandle
 from sluiceway.engines.vllm_engine import (
     VllmEngine,
+    engine_prompt,
     lark_grammar,
     prompt_scores,
     sampling_fields,
@@ -189,7 +190,7 @@ class VllmHandle(EngineHandle):
         with scope:
             try:
                 stream = llm.generate(
-                    {"prompt_token_ids": list(request.prompt_ids)}, flight.params[choice], vllm_id
+                    engine_prompt(request.prompt_ids), flight.params[choice], vllm_id
                 )
                 async for out in stream:
                     self._first(flight, choice, out)

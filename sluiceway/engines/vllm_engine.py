@@ -7,6 +7,8 @@ the pure part of running it, with no vLLM import at module level (the main
 environment has no vLLM; ``make test-vllm`` builds one that does):
 
 - :func:`engine_args`: our flags as vLLM's engine arguments.
+- :func:`worker_threads`: the CPU threads each of vLLM's workers computes on
+  where vLLM leaves that count to torch.
 - :func:`sampling_fields`: one choice of a neutral :class:`GenerationRequest`
   as the fields of vLLM's ``SamplingParams``; a field vLLM cannot honour
   exactly is refused by name (:class:`InvalidRequest`, a 400), never served
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -150,6 +153,46 @@ def engine_args(
     if options.quantization is not None:
         args["quantization"] = options.quantization
     return {**args, **options.extra}
+
+
+#: vLLM's variable for binding its CPU workers' threads (its default: ``auto``).
+BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def worker_threads(
+    environ: Mapping[str, str], *, cpus: int, workers: int, requested: int, on_cpu: bool
+) -> int | None:
+    """The OpenMP threads each of vLLM's CPU workers gets (``OMP_NUM_THREADS``,
+    which the workers read as they start), or None where the count is not
+    ours to give.
+
+    vLLM binding its threads (``VLLM_CPU_OMP_THREADS_BIND`` ``auto`` or a
+    core list) sizes them itself, keeping a core per worker free for its
+    engine core process and the API process. With ``nobind`` (what a small
+    or shared host needs: the binding fails there) it sets no count, and
+    torch spreads each worker over every core. Its idle threads then spin on
+    the cores that the engine core, which plans every step, and our event
+    loop, which streams every token, need; so the same reservation is kept
+    here: ``requested`` (``--engine-threads``) if given, else
+    ``OMP_NUM_THREADS`` if set, else the cores left after one per worker.
+    A GPU's workers size their own threads."""
+    if not on_cpu or environ.get(BIND_VARIABLE, "auto") != "nobind":
+        return None
+    if requested > 0:
+        return requested
+    given = environ.get("OMP_NUM_THREADS", "")
+    if given:
+        return int(given) if given.isdigit() and int(given) > 0 else None
+    return max(1, (cpus - workers) // workers)
+
+
+def engine_prompt(prompt_ids: Sequence[int]) -> dict[str, Any]:
+    """Our prompt ids as vLLM's rendered token input (``vllm.inputs.engine.
+    TokensInput``). vLLM takes that as it is, on the event loop; a bare
+    ``{"prompt_token_ids": ...}`` is a raw prompt to render, which it sends
+    through its renderer's thread pool first: a thread hop per request, and
+    requests that arrive together wait for one another there."""
+    return {"type": "token", "prompt_token_ids": list(prompt_ids)}
 
 
 # --- requests -----------------------------------------------------------------
@@ -416,10 +459,14 @@ class VllmEngine:
     on the server's event loop (asyncio only: ``AsyncLLM`` is asyncio code).
     """
 
-    def __init__(self, source: ModelSource, args: Mapping[str, Any], device: str) -> None:
+    def __init__(
+        self, source: ModelSource, args: Mapping[str, Any], device: str, *, threads: int = 0
+    ) -> None:
         self.source = source
         self._args = dict(args)
         self._device = device
+        #: ``--engine-threads`` (0: see :func:`worker_threads`).
+        self._requested_threads = threads
         #: The stats logger's latest figures (``actors.vllm_runner`` reads them).
         self.stats: Any = None
         #: Given every record vLLM's stats logger gets: its scheduler's and its
@@ -433,6 +480,7 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         started = time.perf_counter()
+        threads = self._size_workers()
         self.llm = AsyncLLM.from_engine_args(
             AsyncEngineArgs(**self._args), stat_loggers=[self._stats_logger()]
         )
@@ -445,7 +493,7 @@ class VllmEngine:
             dtype=str(model.dtype).removeprefix("torch."),
             vocab_size=int(model.get_vocab_size()),
             max_context=int(model.max_model_len),
-            threads=0,
+            threads=threads or 0,
         )
         blocks = cache.num_gpu_blocks or 0
         #: The most tokens vLLM's KV cache holds (its blocks of ``block_size``).
@@ -457,6 +505,32 @@ class VllmEngine:
             info.dtype,
         )
         return info
+
+    def _size_workers(self) -> int | None:
+        """Give vLLM's CPU workers their thread count (:func:`worker_threads`)
+        through the environment they start with."""
+        from vllm.platforms import current_platform
+
+        args = self._args
+        workers = 1
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            workers *= int(args.get(name) or 1)
+        on_cpu = bool(current_platform.is_cpu())
+        threads = worker_threads(
+            os.environ,
+            cpus=len(os.sched_getaffinity(0)),
+            workers=workers,
+            requested=self._requested_threads,
+            on_cpu=on_cpu,
+        )
+        if threads is None:
+            if self._requested_threads:
+                why = "vLLM binds its threads" if on_cpu else "vLLM does not run on the CPU"
+                logger.warning("--engine-threads is ignored: %s", why)
+            return None
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        logger.info("vLLM's CPU workers compute on %d thread(s) each", threads)
+        return threads
 
     def _stats_logger(self) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase

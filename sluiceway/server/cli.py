@@ -81,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
         "engine_threads": "CPU threads of the transformers engine (0: $OMP_NUM_THREADS, else "
         "every core, and in a child process each batch size runs on every core or one "
         "fewer, whichever its steps measure faster; docs/architecture.md); for mlx, "
-        "OpenBLAS's thread count where its CPU backend runs on OpenBLAS (0: OpenBLAS's own)",
+        "OpenBLAS's thread count where its CPU backend runs on OpenBLAS (0: OpenBLAS's own); "
+        "for vllm on the CPU with VLLM_CPU_OMP_THREADS_BIND=nobind, each worker's threads "
+        "(0: $OMP_NUM_THREADS, else the cores left after one per worker, as vLLM's own "
+        "binding keeps free)",
         "host": "address to bind",
         "port": "port to bind",
         "worker_class": "Hypercorn worker class",

@@ -187,7 +187,7 @@ def _start_vllm(config: ServerConfig, source: ModelSource) -> VllmEngine:
         logprobs_mode=config.logprobs_mode,
         prefix_cache=config.prefix_cache,
     )
-    return VllmEngine(source, args, device="vllm")
+    return VllmEngine(source, args, device="vllm", threads=config.engine_threads)
 
 
 def prefix_cache_bytes(config: ServerConfig, engine: Engine | VllmEngine) -> int:

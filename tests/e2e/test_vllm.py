@@ -25,7 +25,7 @@ import pytest
 
 from tests.e2e.conftest import ON_VLLM, default_args
 from tests.e2e.harness import RunningServer, ServerPool
-from tests.e2e.ops import SilentReader, Stream, chat, child_running, load, wait_for
+from tests.e2e.ops import SilentReader, Stream, chat, child_running, children, load, wait_for
 from tests.e2e.test_operations import dechunk, texts_of
 
 pytestmark = [
@@ -199,6 +199,21 @@ def test_what_vllm_cannot_honour_is_a_400_naming_it(
 
 def engine_core(server: RunningServer) -> int:
     return child_running(server, b"EngineCore", "vLLM engine core process")
+
+
+def test_vllms_cpu_workers_leave_a_core_free(vllm_server: RunningServer) -> None:
+    """With ``nobind`` (the harness's setting, as a small host needs) vLLM
+    sets no thread count; ours gives its worker the cores but one, and says so."""
+    expected = max(1, len(os.sched_getaffinity(0)) - 1)
+    core = engine_core(vllm_server)
+    workers = [
+        pid for pid in children(core) if b"Worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert workers, "the engine core has no worker process"
+    environ = Path(f"/proc/{workers[0]}/environ").read_bytes().split(b"\0")
+    assert f"OMP_NUM_THREADS={expected}".encode() in environ
+    info = httpx.get(vllm_server.base_url + "/server_info", timeout=10).json()
+    assert info["engine_threads"] == expected
 
 
 def test_the_engine_core_killed_mid_stream(vllm_server: RunningServer) -> None:

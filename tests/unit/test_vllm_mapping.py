@@ -23,6 +23,7 @@ from sluiceway.engines.vllm_engine import (
     MAX_LOGPROB_TOKEN_IDS,
     VllmOptions,
     engine_args,
+    engine_prompt,
     finish_cause,
     lark_grammar,
     parse_extra_args,
@@ -30,6 +31,7 @@ from sluiceway.engines.vllm_engine import (
     rename_start,
     sampling_fields,
     token_samples,
+    worker_threads,
 )
 from sluiceway.protocol.constraints import Constraint, ConstraintKind, ReasoningGate
 from sluiceway.protocol.errors import InvalidRequest
@@ -352,6 +354,14 @@ def test_no_logprobs_asked_means_no_entries() -> None:
     assert sample.logprob is None
 
 
+def test_the_prompt_goes_as_rendered_token_input() -> None:
+    """vLLM takes a typed token input as it is; a bare dict of ids would be a
+    raw prompt, rendered on its thread pool first."""
+    prompt = engine_prompt((5, 6, 7))
+    assert prompt == {"type": "token", "prompt_token_ids": [5, 6, 7]}
+    assert isinstance(prompt["prompt_token_ids"], list)
+
+
 def test_prompt_logprobs() -> None:
     positions = [None, {6: Logprob(-1.0, 3), 1: Logprob(-0.5, 1)}, {7: Logprob(-0.3, 1)}]
     scores = prompt_scores(positions, (5, 6, 7), 1)
@@ -404,6 +414,36 @@ def test_engine_arguments() -> None:
     )
     assert "distributed_executor_backend" not in plain
     assert "max_model_len" not in plain
+
+
+NOBIND = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+@pytest.mark.parametrize(
+    ("environ", "cpus", "workers", "requested", "expected"),
+    [
+        (NOBIND, 2, 1, 0, 1),  # this host: one core stays free for the other processes
+        (NOBIND, 16, 1, 0, 15),
+        (NOBIND, 16, 2, 0, 7),  # tensor parallel: one core each kept, the rest shared
+        (NOBIND, 2, 2, 0, 1),  # never fewer than one
+        (NOBIND, 1, 1, 0, 1),
+        (NOBIND, 2, 1, 3, 3),  # --engine-threads
+        ({**NOBIND, "OMP_NUM_THREADS": "2"}, 8, 1, 0, 2),  # the environment's own count
+        ({**NOBIND, "OMP_NUM_THREADS": "2"}, 8, 1, 4, 4),  # the flag before it
+        ({**NOBIND, "OMP_NUM_THREADS": "x"}, 8, 1, 0, None),  # left to torch to read
+        ({}, 2, 1, 0, None),  # vLLM's own binding (auto) sizes its threads
+        ({"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, 2, 1, 3, None),
+    ],
+)
+def test_vllms_cpu_workers_leave_a_core_to_the_other_processes(
+    environ: dict[str, str], cpus: int, workers: int, requested: int, expected: int | None
+) -> None:
+    found = worker_threads(environ, cpus=cpus, workers=workers, requested=requested, on_cpu=True)
+    assert found == expected
+
+
+def test_a_gpus_workers_size_their_own_threads() -> None:
+    assert worker_threads(NOBIND, cpus=8, workers=1, requested=2, on_cpu=False) is None
 
 
 @pytest.mark.parametrize(
