@@ -33,6 +33,8 @@ from typing import Any
 
 from loadgen import Target
 
+from sluiceway.engines.vllm_engine import worker_threads
+
 #: The peers compared with each of our engines by default.
 DEFAULT_PEERS = {
     "transformers": ("vllm", "vllm-eager-f32", "llama-f32", "llama-q8"),
@@ -63,10 +65,14 @@ VLLM_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": 
 
 def vllm_environment(server: str) -> dict[str, str]:
     """What a server on vLLM's engine starts with: ``vllm-threads`` also gets
-    the worker threads our server would give it (the cores but one)."""
+    the worker threads our server would give it (by our own rule)."""
     if server != "vllm-threads":
         return dict(VLLM_ENVIRONMENT)
-    return VLLM_ENVIRONMENT | {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) - 1))}
+    threads = worker_threads(
+        VLLM_ENVIRONMENT, cpus=len(os.sched_getaffinity(0)), workers=1, requested=0, on_cpu=True
+    )
+    assert threads is not None  # nobind on the CPU: the count is ours to give
+    return VLLM_ENVIRONMENT | {"OMP_NUM_THREADS": str(threads)}
 
 
 @dataclass(frozen=True, slots=True)
